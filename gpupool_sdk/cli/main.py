@@ -1,0 +1,70 @@
+"""The ``gpupool`` command line: one group, one module per family of commands."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from gpupool_sdk.cli.common import EXIT_UNREACHABLE, EXIT_USAGE
+from gpupool_sdk.errors import ConfigError, GpupoolError, StoreUnavailableError
+
+# (module, attribute) of every command; each module owns its command family.
+_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("gpupool_sdk.cli.etcd_cmd", "etcd"),
+    ("gpupool_sdk.cli.agent_cmd", "agent"),
+    ("gpupool_sdk.cli.coordinator_cmd", "coordinator"),
+    ("gpupool_sdk.cli.status_cmd", "status"),
+    ("gpupool_sdk.cli.ops_cmd", "cordon"),
+    ("gpupool_sdk.cli.ops_cmd", "uncordon"),
+    ("gpupool_sdk.cli.ops_cmd", "drain"),
+    ("gpupool_sdk.cli.ops_cmd", "undrain"),
+    ("gpupool_sdk.cli.top_cmd", "top"),
+    ("gpupool_sdk.cli.run_cmd", "run"),
+    ("gpupool_sdk.cli.demo_cmd", "demo"),
+    ("gpupool_sdk.cli.simulate_cmd", "simulate"),
+    ("gpupool_sdk.cli.metrics_cmd", "metrics"),
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gpupool-sdk")
+def cli() -> None:
+    """gpupool: an elastic GPU pool for deep-learning training, coordinated through etcd."""
+
+
+for _module, _attr in _COMMANDS:
+    try:
+        _mod = importlib.import_module(_module)
+    except ModuleNotFoundError as _exc:
+        # Only a command module that does not exist is skipped; a broken import inside one is a bug.
+        if _exc.name != _module:
+            raise
+        continue
+    cli.add_command(getattr(_mod, _attr))
+
+
+def main() -> None:
+    """Entry point of the ``gpupool`` console script; maps typed errors to exit codes."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except StoreUnavailableError as exc:
+        click.echo(f"error: etcd unreachable: {exc}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    except GpupoolError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

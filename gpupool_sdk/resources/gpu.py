@@ -1,0 +1,176 @@
+"""What a physical GPU is: identity, capacity, topology and health, as the agent publishes it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpupool_sdk.resources._fields import opt, req
+from gpupool_sdk.resources.units import format_size
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """The agent's health verdict for one GPU.
+
+    Attributes:
+        healthy: False when any reason below makes the GPU unusable.
+        reasons: human-readable causes (``"ecc double-bit errors: 2"``, ``"xid 79"``, ``"temperature 94C >= 90C"``).
+        temperature_c: last temperature read, if known.
+        power_w: last power draw, if known.
+        ecc_double_bit: volatile double-bit ECC error count, if the GPU reports it.
+        xids: recent XID event codes seen by the agent.
+    """
+
+    healthy: bool = True
+    reasons: tuple[str, ...] = ()
+    temperature_c: float | None = None
+    power_w: float | None = None
+    ecc_double_bit: int | None = None
+    xids: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["reasons"] = list(self.reasons)
+        d["xids"] = list(self.xids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "health") -> GpuHealth:
+        return cls(
+            healthy=req(d, "healthy", bool, where),
+            reasons=tuple(opt(d, "reasons", list, where, [])),
+            temperature_c=opt(d, "temperature_c", float, where, None),
+            power_w=opt(d, "power_w", float, where, None),
+            ecc_double_bit=opt(d, "ecc_double_bit", int, where, None),
+            xids=tuple(opt(d, "xids", list, where, [])),
+        )
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One physical GPU in the pool.
+
+    Attributes:
+        uuid: NVML UUID (``GPU-...``), or a stable synthetic one for simulated GPUs.
+        node: the node (machine) name the GPU is on.
+        index: the device index on its node (what ``CUDA_VISIBLE_DEVICES`` names).
+        model: catalog name such as ``"H100-80GB"``.
+        memory_bytes: total device memory.
+        sm_count: streaming multiprocessors.
+        compute_capability: ``"9.0"`` etc.
+        tflops: peak dense TFLOPS by dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``, ``int8``).
+        memory_bandwidth_gbps: peak memory bandwidth in GB/s.
+        features: capability tags (``bf16``, ``fp8``, ``tensor_cores``, ``mig``, ``nvlink``).
+        nvlink_peers: UUIDs of GPUs reachable over NVLink.
+        nvlink_island: id of the NVLink domain on the node (GPUs in one island are all-to-all), or None.
+        pcie_path: PCIe bus id / switch path, used to group GPUs under one switch.
+        numa_node: NUMA node of the GPU, if known.
+        health: the agent's health verdict.
+        simulated: True for GPUs declared with ``--simulate``.
+    """
+
+    uuid: str
+    node: str
+    index: int
+    model: str
+    memory_bytes: int
+    sm_count: int = 0
+    compute_capability: str = ""
+    tflops: Mapping[str, float] = field(default_factory=dict)
+    memory_bandwidth_gbps: float = 0.0
+    features: tuple[str, ...] = ()
+    nvlink_peers: tuple[str, ...] = ()
+    nvlink_island: int | None = None
+    pcie_path: str = ""
+    numa_node: int | None = None
+    health: GpuHealth = field(default_factory=GpuHealth)
+    simulated: bool = False
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
+
+    def describe(self) -> str:
+        return f"{self.node}/{self.index} {self.model} {format_size(self.memory_bytes)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "uuid": self.uuid,
+            "node": self.node,
+            "index": self.index,
+            "model": self.model,
+            "memory_bytes": self.memory_bytes,
+            "sm_count": self.sm_count,
+            "compute_capability": self.compute_capability,
+            "tflops": dict(self.tflops),
+            "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
+            "features": list(self.features),
+            "nvlink_peers": list(self.nvlink_peers),
+            "nvlink_island": self.nvlink_island,
+            "pcie_path": self.pcie_path,
+            "numa_node": self.numa_node,
+            "health": self.health.to_dict(),
+            "simulated": self.simulated,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "gpu") -> GpuInfo:
+        health = opt(d, "health", dict, where, None)
+        return cls(
+            uuid=req(d, "uuid", str, where),
+            node=req(d, "node", str, where),
+            index=req(d, "index", int, where),
+            model=req(d, "model", str, where),
+            memory_bytes=req(d, "memory_bytes", int, where),
+            sm_count=opt(d, "sm_count", int, where, 0),
+            compute_capability=opt(d, "compute_capability", str, where, ""),
+            tflops={str(k): float(v) for k, v in opt(d, "tflops", dict, where, {}).items()},
+            memory_bandwidth_gbps=opt(d, "memory_bandwidth_gbps", float, where, 0.0),
+            features=tuple(opt(d, "features", list, where, [])),
+            nvlink_peers=tuple(opt(d, "nvlink_peers", list, where, [])),
+            nvlink_island=opt(d, "nvlink_island", int, where, None),
+            pcie_path=opt(d, "pcie_path", str, where, ""),
+            numa_node=opt(d, "numa_node", int, where, None),
+            health=GpuHealth.from_dict(health, f"{where}.health") if health is not None else GpuHealth(),
+            simulated=opt(d, "simulated", bool, where, False),
+        )
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A machine running a node agent.
+
+    Attributes:
+        name: node name (unique in the pool).
+        hostname: the OS host name the agent runs on.
+        agent_pid: process id of the agent.
+        gpu_count: number of GPUs the agent publishes.
+        backend: ``"nvml"`` or ``"simulated"``.
+        started_at: wall-clock start time of the agent (seconds since the epoch).
+        driver_version: NVIDIA driver version, when read through NVML.
+    """
+
+    name: str
+    hostname: str
+    agent_pid: int
+    gpu_count: int
+    backend: str
+    started_at: float
+    driver_version: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "node") -> NodeInfo:
+        return cls(
+            name=req(d, "name", str, where),
+            hostname=opt(d, "hostname", str, where, ""),
+            agent_pid=opt(d, "agent_pid", int, where, 0),
+            gpu_count=req(d, "gpu_count", int, where),
+            backend=opt(d, "backend", str, where, ""),
+            started_at=opt(d, "started_at", float, where, 0.0),
+            driver_version=opt(d, "driver_version", str, where, ""),
+        )

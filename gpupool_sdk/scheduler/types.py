@@ -1,0 +1,216 @@
+"""The scheduler's input (a frozen :class:`ClusterSnapshot`) and output (a list of decisions).
+
+The scheduler is pure: no etcd, no clock, no randomness. ``now`` comes in the snapshot. The
+coordinator builds snapshots from etcd and applies decisions with fenced transactions; the
+simulator builds them from a trace and applies decisions to its own model; both run the same
+:class:`~gpupool_sdk.scheduler.policy.Scheduler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.resources import Ack, Allocation, Directive, GpuInfo, JobSpec, JobState
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Operator policy knobs, validated at construction.
+
+    Attributes:
+        overcommit_ratio: for ``shared`` slices only, the sum of granted memory on a GPU may reach
+            this multiple of physical memory as long as predicted peaks fit (1.0 = no overcommit).
+        peak_margin: safety margin added to a job's observed memory peak when predicting it (0.1 = +10 %).
+        min_runtime_s: default minimum run time after a grant before a job may be preempted
+            (a spec's own ``min_runtime_s`` wins when larger).
+        aging_s_per_priority: a pending job gains one effective priority point per this many seconds
+            waited, so no job starves (0 disables aging).
+        max_wait_s: a job that has waited this long is treated as top priority among pending jobs.
+        preempt_grace_s: default time to checkpoint and ack a preempt directive.
+        balloon_grace_s: time to ack a balloon directive before the coordinator preempts instead.
+        allow_preemption: False turns preemption off (jobs only queue).
+        max_decisions: bound on grants + preemptions per cycle, to keep cycles short.
+    """
+
+    overcommit_ratio: float = 1.0
+    peak_margin: float = 0.1
+    min_runtime_s: float = 0.0
+    aging_s_per_priority: float = 60.0
+    max_wait_s: float = 3600.0
+    preempt_grace_s: float = 60.0
+    balloon_grace_s: float = 30.0
+    allow_preemption: bool = True
+    max_decisions: int = 256
+
+    def __post_init__(self) -> None:
+        if self.overcommit_ratio < 1.0:
+            raise ConfigError("overcommit_ratio", f"must be >= 1.0 (1.0 = no overcommit), got {self.overcommit_ratio}")
+        if not 0.0 <= self.peak_margin <= 10.0:
+            raise ConfigError("peak_margin", f"must be in [0, 10], got {self.peak_margin}")
+        for name in ("min_runtime_s", "aging_s_per_priority", "max_wait_s", "preempt_grace_s", "balloon_grace_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0 seconds, got {getattr(self, name)}")
+        if self.max_decisions < 1:
+            raise ConfigError("max_decisions", f"must be >= 1, got {self.max_decisions}")
+
+
+@dataclass(frozen=True)
+class JobView:
+    """Everything the scheduler knows about one job.
+
+    Attributes:
+        spec: what the job asks for.
+        state: its state machine position (PENDING jobs are candidates for grants).
+        allocations: slices it holds now (empty when pending).
+        queued_at: when it started waiting (for aging and queueing-delay metrics).
+        granted_at: when its current grant was made.
+        last_checkpoint_at: wall time of its last acknowledged checkpoint (work lost on preemption
+            is measured from here, or from ``granted_at`` when it never checkpointed).
+        attained_gpu_s: GPU-seconds it has received so far (least-attained-service policies use it).
+        directive: the directive outstanding for it, if any.
+        ack: the last ack it wrote, if any.
+        memory_peak_bytes: the recent per-slice memory peak it reported in telemetry (for overcommit).
+        order: a tie breaker (submission order); lower goes first.
+    """
+
+    spec: JobSpec
+    state: JobState = JobState.PENDING
+    allocations: tuple[Allocation, ...] = ()
+    queued_at: float = 0.0
+    granted_at: float | None = None
+    last_checkpoint_at: float | None = None
+    attained_gpu_s: float = 0.0
+    directive: Directive | None = None
+    ack: Ack | None = None
+    memory_peak_bytes: int | None = None
+    order: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """A frozen view of the pool at one instant.
+
+    Attributes:
+        now: wall-clock time of the snapshot (seconds since the epoch, or simulated seconds).
+        gpus: every GPU published by an agent, by UUID.
+        jobs: every job with a spec, by name.
+        cordoned: UUIDs of GPUs an operator cordoned (no new grants; running jobs stay).
+        draining: nodes being drained (no new grants; running jobs are preempted).
+        term: the leader term the decisions will be written under.
+    """
+
+    now: float
+    gpus: Mapping[str, GpuInfo]
+    jobs: Mapping[str, JobView]
+    cordoned: frozenset[str] = frozenset()
+    draining: frozenset[str] = frozenset()
+    term: int = 0
+
+
+@dataclass(frozen=True)
+class SliceGrant:
+    """One slice of a grant: a share of one GPU."""
+
+    node: str
+    gpu_uuid: str
+    gpu_index: int
+    memory_bytes: int
+    compute_share: float
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Give ``job`` these slices (all or nothing) and move it to GRANTED."""
+
+    job: str
+    slices: tuple[SliceGrant, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Queue:
+    """Leave ``job`` PENDING; ``reason`` says what it waits for (shown in its status)."""
+
+    job: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reject:
+    """``job`` can never run on this pool (more memory than any GPU has, unknown feature...)."""
+
+    job: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """Ask ``job`` to checkpoint and release by ``deadline``; ``for_job`` is who needs its slices."""
+
+    job: str
+    reason: str
+    deadline: float
+    for_job: str | None = None
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Ask an elastic ``job`` to restart with ``gpus`` slices (checkpoint first)."""
+
+    job: str
+    gpus: int
+    reason: str
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Balloon:
+    """Ask ``job`` to shrink to ``target_bytes`` per slice by ``deadline`` (``for_job`` needs the memory)."""
+
+    job: str
+    target_bytes: int
+    reason: str
+    deadline: float
+    for_job: str | None = None
+
+
+@dataclass(frozen=True)
+class Deflate:
+    """Give ``job`` its full quota back (the memory pressure is over)."""
+
+    job: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Release:
+    """``job`` acknowledged its preemption (or finished): free its slices; ``state`` is where it goes."""
+
+    job: str
+    state: JobState
+    reason: str
+
+
+@dataclass(frozen=True)
+class Revoke:
+    """``job`` missed its directive deadline: revoke its etcd lease (forced preemption)."""
+
+    job: str
+    reason: str
+
+
+Decision = Grant | Queue | Reject | Preempt | Resize | Balloon | Deflate | Release | Revoke
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """Decisions of one cycle plus counters for metrics."""
+
+    decisions: tuple[Decision, ...] = field(default_factory=tuple)
+    considered: int = 0
