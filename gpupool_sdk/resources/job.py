@@ -131,7 +131,7 @@ class JobSpec:
                 raise SpecError("compute_share", "exclusive jobs take whole GPUs; leave compute_share at 1.0")
         elif self.memory == 0:
             raise SpecError(
-                "memory", f"{self.qos.value} jobs must say how much memory per slice they need, e.g. memory='20GiB'"
+                "memory", f"{self.qos_class.value} jobs must say how much memory per slice they need, e.g. memory='20GiB'"
             )
         set_(self, "compute_share", share)
         check(self.priority, int, "priority")
