@@ -13,6 +13,7 @@ Layout under the prefix (default ``/gpupool/v1``)::
     acks/{job}                            client, on the job's lease
     telemetry/{job}                       client, on the job's lease
     leader                                leader, on the coordinator's lease
+    term                                  leader, no lease (the last term handed out; terms only grow)
     checkpoints/{job}                     leader, no lease (survives the job, for resume)
     usage/{job}                           leader, no lease (cost accounting)
 """
@@ -151,6 +152,9 @@ class Keyspace:
     def leader(self) -> str:
         return self._k("leader")
 
+    def term(self) -> str:
+        return self._k("term")
+
     def parse(self, key: str) -> ParsedKey | None:
         """Split a key of this keyspace; None for a key outside it or of unknown shape."""
         if not key.startswith(self.prefix + "/"):
@@ -169,8 +173,8 @@ class Keyspace:
             "checkpoints": 1,
             "usage": 1,
         }
-        if head == "leader" and not rest:
-            return ParsedKey("leader", ())
+        if head in ("leader", "term") and not rest:
+            return ParsedKey(head, ())
         if head == "jobs" and len(rest) == 2 and rest[1] in ("spec", "status"):
             return ParsedKey(f"jobs.{rest[1]}", (rest[0],))
         if head in shapes and len(rest) == shapes[head] and all(rest):
