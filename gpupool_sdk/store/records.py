@@ -1,0 +1,78 @@
+"""Record types stored by the pool that are not part of the resource model.
+
+* :class:`ResumeRecord` (``checkpoints/{job}``, written by the leader, no lease): what a job
+  restarted under the same name resumes from.
+* :class:`TelemetryRecord` (``telemetry/{job}``, written by the client, on the job's lease): the
+  job's latest phase-aware summary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpupool_sdk.resources import Checkpoint
+from gpupool_sdk.resources._fields import opt, req
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    """The value of ``checkpoints/{job}``: kept across restarts of a job of the same name.
+
+    Attributes:
+        job: the job name.
+        last_checkpoint: the last checkpoint the job acknowledged, or None.
+        preemptions: how many times the job was preempted in its life.
+        first_queued_at: wall-clock time the job was first queued (keeps its aging credit).
+        attained_gpu_s: GPU-seconds of service received so far.
+    """
+
+    job: str
+    last_checkpoint: Checkpoint | None = None
+    preemptions: int = 0
+    first_queued_at: float = 0.0
+    attained_gpu_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "last_checkpoint": self.last_checkpoint.to_dict() if self.last_checkpoint else None,
+            "preemptions": self.preemptions,
+            "first_queued_at": self.first_queued_at,
+            "attained_gpu_s": self.attained_gpu_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "checkpoint") -> ResumeRecord:
+        # Unknown fields are ignored so that the leader may add some without breaking old clients.
+        ckpt = opt(d, "last_checkpoint", dict, where, None)
+        return cls(
+            job=req(d, "job", str, where),
+            last_checkpoint=Checkpoint.from_dict(ckpt, f"{where}.last_checkpoint") if ckpt else None,
+            preemptions=opt(d, "preemptions", int, where, 0),
+            first_queued_at=opt(d, "first_queued_at", float, where, 0.0),
+            attained_gpu_s=opt(d, "attained_gpu_s", float, where, 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class TelemetryRecord:
+    """The value of ``telemetry/{job}``: the job's latest summary (shape owned by the telemetry module).
+
+    Attributes:
+        job: the job name.
+        at: wall-clock time the summary was taken.
+        summary: JSON-compatible mapping (phase times, utilisation, memory peak bytes...).
+    """
+
+    job: str
+    at: float
+    summary: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "at": self.at, "summary": dict(self.summary)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "telemetry") -> TelemetryRecord:
+        return cls(job=req(d, "job", str, where), at=opt(d, "at", float, where, 0.0), summary=opt(d, "summary", dict, where, {}))
