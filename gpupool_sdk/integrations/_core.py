@@ -1,0 +1,518 @@
+"""The framework-agnostic engine behind :class:`GpuPoolCallback` and :class:`PoolSession`.
+
+One :class:`PoolRuntime` per training process. It
+
+* builds and validates the :class:`~gpupool_sdk.resources.JobSpec`;
+* takes the lease before the framework touches CUDA, in one of three modes:
+
+  - ``direct``: ``PoolClient.acquire`` (the process submits its own spec and waits in the queue);
+  - ``attach``: under ``gpupool run`` (``$GPUPOOL_RUN_SOCKET`` is set) the launcher holds the
+    lease and the process talks to it over a local Unix socket (:mod:`.run_channel`);
+  - ``follower``: a non-zero rank of a multi-process job (``$RANK``/``$LOCAL_RANK`` > 0); it
+    holds no lease and learns every decision from rank 0 through the framework's broadcast;
+
+* sets ``CUDA_VISIBLE_DEVICES`` to the leased devices and exports ``GPUPOOL_*`` so the other ranks
+  (started later by the framework) see the same grant;
+* at step boundaries, turns directives into actions (:meth:`decide`, :meth:`preempt`,
+  :meth:`balloon`) and hands telemetry to the lease (whose I/O runs in the client's helper
+  process, never on the training thread).
+
+Environment variables (the contract with ``gpupool run`` and with other ranks):
+
+``GPUPOOL_JOB`` job name; ``GPUPOOL_ENDPOINTS``/``GPUPOOL_PREFIX`` where the pool is;
+``GPUPOOL_RUN_SOCKET`` attach to a ``gpupool run`` launcher; ``GPUPOOL_LEASED=1``,
+``GPUPOOL_DEVICES`` (slice count), ``GPUPOOL_RESUME_FROM`` (checkpoint path) exported for the
+other ranks; ``GPUPOOL_CHECKPOINT_DIR`` default checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpupool_sdk.errors import ConfigError, GpupoolError, LeaseLostError
+from gpupool_sdk.resources import Directive, DirectiveKind, JobSpec
+from gpupool_sdk.telemetry.phases import PhaseTimer
+
+log = logging.getLogger("gpupool_sdk.integrations")
+
+#: Exit code of a training process that was preempted and wants to be run again (sysexits.h).
+EX_TEMPFAIL = 75
+
+JOB_ENV = "GPUPOOL_JOB"
+RUN_SOCKET_ENV = "GPUPOOL_RUN_SOCKET"
+LEASED_ENV = "GPUPOOL_LEASED"
+DEVICES_ENV = "GPUPOOL_DEVICES"
+RESUME_ENV = "GPUPOOL_RESUME_FROM"
+CKPT_DIR_ENV = "GPUPOOL_CHECKPOINT_DIR"
+
+_ALLOCATORS = ("torch", "gpupool", "none")
+
+
+class PoolLeaseLostError(LeaseLostError):
+    """The job's lease was lost (revoked, or etcd unreachable past the TTL) while training.
+
+    Training stopped at once so that the job never computes on a slice it no longer holds.
+    ``emergency_checkpoint`` is the path written on the way out, or None.
+    """
+
+    def __init__(self, job: str, reason: str, emergency_checkpoint: str | None) -> None:
+        self.job = job
+        self.reason = reason
+        self.emergency_checkpoint = emergency_checkpoint
+        saved = f"; emergency checkpoint at {emergency_checkpoint}" if emergency_checkpoint else ""
+        super().__init__(
+            f"job {job!r} lost its GPU lease ({reason}); training stopped{saved}. "
+            "Check that etcd is reachable and the coordinator did not revoke the job, then restart it "
+            "under the same name to resume"
+        )
+
+
+def derive_job_name(explicit: str | None = None, argv0: str | None = None) -> str:
+    """The job name: ``explicit``, else ``$GPUPOOL_JOB``, else the script's file name.
+
+    The script name is lowercased and reduced to the allowed characters
+    (``train_BERT.py`` -> ``train_bert``).
+
+    Example:
+        >>> derive_job_name(argv0="/home/me/Train BERT.py")
+        'train-bert'
+    """
+    if explicit:
+        return explicit
+    env = os.environ.get(JOB_ENV)
+    if env:
+        return env
+    stem = Path(argv0 if argv0 is not None else (sys.argv[0] if sys.argv and sys.argv[0] else "job")).stem
+    name = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-._")[:63].strip("-._")
+    return name or "job"
+
+
+def process_rank() -> int:
+    """Global rank of this process as the launchers set it (0 when not distributed)."""
+    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        v = os.environ.get(var)
+        if v is not None and v.strip().isdigit():
+            return int(v)
+    return 0
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _check_opt_positive(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(name, f"must be a number of seconds > 0 (or None), got {value!r}")
+    return float(value)
+
+
+@dataclass
+class PreemptTiming:
+    """How long one preemption took, split into its parts (seconds).
+
+    Attributes:
+        boundary_wait_s: from the directive becoming visible to this process to the step boundary
+            where it was acted on.
+        checkpoint_s: writing the checkpoint.
+        protocol_s: ack, waiting for the coordinator to take the slices back, and release.
+        ack_s: from the step boundary to the ack handed to the client (excludes the checkpoint).
+        total_s: directive seen to release done.
+    """
+
+    boundary_wait_s: float = 0.0
+    checkpoint_s: float = 0.0
+    protocol_s: float = 0.0
+    ack_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class Decision:
+    """What every rank does at one step boundary (broadcast from rank 0).
+
+    ``kind`` is ``None`` (carry on), ``"preempt"`` (also used for ``resize``), ``"balloon"``,
+    ``"deflate"`` or ``"lost"``.
+    """
+
+    kind: str | None = None
+    seq: int = 0
+    target: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    def to_wire(self) -> dict[str, Any] | None:
+        if self.kind is None:
+            return None
+        return {"kind": self.kind, "seq": self.seq, "target": dict(self.target), "reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any] | None) -> Decision:
+        if not obj:
+            return cls()
+        return cls(kind=obj["kind"], seq=int(obj["seq"]), target=dict(obj.get("target", {})), reason=obj.get("reason", ""))
+
+
+class PoolRuntime:
+    """Lease holder and directive engine shared by the framework adapters.
+
+    Args:
+        gpus, memory, qos, priority, compute_share: the slice request (see
+            :class:`~gpupool_sdk.resources.JobSpec`); further ``JobSpec`` fields go in ``spec_fields``.
+        name: job name (default: :func:`derive_job_name`).
+        checkpoint_dir: where preemption checkpoints go (default ``$GPUPOOL_CHECKPOINT_DIR`` or
+            ``./gpupool-checkpoints``); must be shared by every rank.
+        endpoints: etcd endpoints (default ``$GPUPOOL_ENDPOINTS``).
+        prefix: key prefix (default ``$GPUPOOL_PREFIX``).
+        allocator: memory tier for balloon directives: ``"torch"`` (default; the host tier on a
+            machine without CUDA), ``"gpupool"`` (the SDK's allocator) or ``"none"``.
+        check_every_n_steps: how often rank 0 looks for a directive (and the ranks agree on it).
+        telemetry_interval_s: how often a rolling summary is handed to the lease.
+        acquire_timeout: seconds to wait in the queue (None: forever).
+        release_timeout: seconds to wait for the coordinator to take the slices back after a
+            preempt ack before releasing anyway.
+        on_status: called with each status change while queued.
+        client: a ready ``PoolClient``-like object (tests); default builds one.
+        spec_fields: extra :class:`JobSpec` fields (``features``, ``gpu_model``, ``min_runtime_s``...).
+
+    Raises:
+        ConfigError: an argument is invalid; the message names it.
+    """
+
+    def __init__(
+        self,
+        gpus: int = 1,
+        memory: int | str | None = None,
+        qos: str = "shared",
+        priority: int = 0,
+        name: str | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        endpoints: str | None = None,
+        prefix: str | None = None,
+        compute_share: float = 1.0,
+        allocator: str = "torch",
+        check_every_n_steps: int = 1,
+        telemetry_interval_s: float = 5.0,
+        acquire_timeout: float | None = None,
+        release_timeout: float = 30.0,
+        on_status: Callable[[Any], None] | None = None,
+        client: Any = None,
+        **spec_fields: Any,
+    ) -> None:
+        if allocator not in _ALLOCATORS:
+            raise ConfigError("allocator", f"got {allocator!r}; use one of {', '.join(map(repr, _ALLOCATORS))}")
+        self.check_every_n_steps = _check_positive_int(check_every_n_steps, "check_every_n_steps")
+        self.telemetry_interval_s = _check_opt_positive(telemetry_interval_s, "telemetry_interval_s") or 5.0
+        self.acquire_timeout = _check_opt_positive(acquire_timeout, "acquire_timeout")
+        self.release_timeout = _check_opt_positive(release_timeout, "release_timeout") or 30.0
+        if memory is None:
+            memory = 0
+            if qos != "exclusive":
+                raise ConfigError(
+                    "memory", f"{qos} jobs must say how much GPU memory per slice they need, e.g. memory='20GiB'"
+                )
+        job = derive_job_name(name)
+        self.spec = JobSpec(
+            name=job, gpus=gpus, memory=memory, qos=qos, priority=priority, compute_share=compute_share, **spec_fields
+        )
+        self.job = job
+        ckdir = checkpoint_dir if checkpoint_dir is not None else os.environ.get(CKPT_DIR_ENV, "gpupool-checkpoints")
+        if not isinstance(ckdir, (str, os.PathLike)) or not str(ckdir):
+            raise ConfigError("checkpoint_dir", f"must be a directory path, got {checkpoint_dir!r}")
+        self.checkpoint_dir = Path(ckdir)
+        self.endpoints = endpoints
+        self.prefix = prefix
+        self.allocator = allocator
+        self.on_status = on_status
+        self._client = client
+        self.rank = process_rank()
+        self.mode = "follower" if self.rank != 0 else ("attach" if os.environ.get(RUN_SOCKET_ENV) else "direct")
+        self.lease: Any = None
+        self.resume_from: str | None = None
+        self.slices = 0
+        self.timer = PhaseTimer()
+        self.preemptions = 0
+        self.lease_generation = 0
+        self.preempted = False
+        self.lost_error: PoolLeaseLostError | None = None
+        self.last_preempt: PreemptTiming | None = None
+        self._handled_seqs: set[int] = set()
+        self._directive_seen_at: dict[int, float] = {}
+        self._balloon: Any = None
+        self._optimizers: list[Any] = []
+        self._next_publish = 0.0
+        self._lost_flag = threading.Event()
+        self._pid = os.getpid()
+        self._closed = False
+        self.step = 0
+
+    # -- lease -----------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        """True on the process that holds the lease (rank 0)."""
+        return self.mode != "follower"
+
+    def acquire(self) -> None:
+        """Take the lease (or read rank 0's grant), set ``CUDA_VISIBLE_DEVICES``, find the resume checkpoint."""
+        if self.mode == "follower":
+            if os.environ.get(LEASED_ENV) != "1":
+                raise ConfigError(
+                    "RANK",
+                    f"this process is rank {self.rank} but rank 0 exported no grant ({LEASED_ENV} unset); "
+                    "start multi-process jobs from one script (Lightning's ddp launcher) or under `gpupool run`",
+                )
+            self.slices = int(os.environ.get(DEVICES_ENV, str(self.spec.gpus)))
+            self.resume_from = os.environ.get(RESUME_ENV) or None
+            return
+        if self.mode == "attach":
+            from gpupool_sdk.integrations.run_channel import ChannelLease
+
+            self.lease = ChannelLease.connect(os.environ[RUN_SOCKET_ENV])
+            if self.lease.job != self.job:
+                log.warning("gpupool run holds job %r; this process uses that name (not %r)", self.lease.job, self.job)
+                self.job = self.lease.job
+            self.resume_from = self.lease.resume_from
+        else:
+            client = self._client
+            if client is None:
+                from gpupool_sdk.client import PoolClient
+
+                client = self._client = PoolClient(endpoints=self.endpoints, prefix=self.prefix)
+            self.lease = client.acquire(self.spec, timeout=self.acquire_timeout, on_status=self.on_status)
+            ck = client.resume_info(self.job)
+            self.resume_from = ck.path if ck is not None and ck.path and Path(ck.path).exists() else None
+        self.lease_generation += 1
+        add_cb = getattr(self.lease, "add_lost_callback", None)
+        if add_cb is not None:
+            add_cb(lambda *a: self._lost_flag.set())
+        devices = _visible_devices(self.lease)
+        self.slices = max(1, len(devices)) if devices else self.spec.gpus
+        if devices:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        os.environ[LEASED_ENV] = "1"
+        os.environ[DEVICES_ENV] = str(self.slices)
+        os.environ[JOB_ENV] = self.job
+        if self.resume_from:
+            os.environ[RESUME_ENV] = self.resume_from
+        else:
+            os.environ.pop(RESUME_ENV, None)
+        atexit.register(self.close)
+
+    @property
+    def accelerator(self) -> str:
+        """``"gpu"`` when the lease holds real GPUs visible to CUDA, else ``"cpu"``."""
+        try:
+            import torch
+
+            return "gpu" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+        except Exception:  # noqa: BLE001
+            return "cpu"
+
+    @property
+    def devices(self) -> int:
+        """Number of devices (or CPU processes) the framework should use: one per leased slice."""
+        if self.accelerator == "gpu":
+            import torch
+
+            return max(1, min(self.slices, torch.cuda.device_count()))
+        return max(1, self.slices)
+
+    def lease_lost(self) -> bool:
+        """True when the lease is gone (cheap: a flag and an attribute read)."""
+        if self.lease is None:
+            return False
+        return self._lost_flag.is_set() or bool(getattr(self.lease, "lost", False))
+
+    def lost_reason(self) -> str:
+        return str(getattr(self.lease, "lost_reason", "") or "lease revoked or expired")
+
+    def close(self) -> None:
+        """Release the lease (job done or process exiting). Idempotent; a no-op in forked children."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        lease = self.lease
+        if lease is not None:
+            try:
+                lease.release()
+            except Exception as exc:  # noqa: BLE001 - best effort at exit; the helper revokes anyway
+                log.debug("release failed: %s", exc)
+        close_client = getattr(self._client, "close", None)
+        if close_client is not None:
+            with contextlib.suppress(Exception):
+                close_client()
+
+    # -- step boundary -----------------------------------------------------------------------
+    def decide(self) -> Decision:
+        """Rank 0: what all ranks must do at this step boundary (no I/O: the lease's cached view)."""
+        if self.lease is None:
+            return Decision()
+        if self.lease_lost():
+            return Decision(kind="lost", reason=self.lost_reason())
+        d: Directive | None = self.lease.poll_directive()
+        if d is None or d.seq in self._handled_seqs:
+            return Decision()
+        self._directive_seen_at.setdefault(d.seq, time.monotonic())
+        kind = d.kind
+        if kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
+            return Decision(kind="preempt", seq=d.seq, target=dict(d.target), reason=d.reason)
+        if kind is DirectiveKind.BALLOON:
+            return Decision(kind="balloon", seq=d.seq, target=dict(d.target), reason=d.reason)
+        return Decision(kind="deflate", seq=d.seq, target=dict(d.target), reason=d.reason)
+
+    def checkpoint_path(self, step: int, tag: str) -> Path:
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        return self.checkpoint_dir / f"{self.job}-{tag}-step{step}.ckpt"
+
+    def _directive(self, dec: Decision) -> Directive:
+        kind = DirectiveKind.PREEMPT if dec.kind == "preempt" else DirectiveKind(dec.kind)
+        return Directive(kind=kind, seq=dec.seq, deadline=0.0, target=dec.target, reason=dec.reason)
+
+    def preempt(self, dec: Decision, step: int, save: Callable[[str], None]) -> str:
+        """Every rank: checkpoint through ``save(path)``; rank 0 also acks, waits for release, releases.
+
+        Returns:
+            The checkpoint path.
+        """
+        boundary = time.monotonic()
+        path = str(self.checkpoint_path(step, "preempt"))
+        # Counted before the save so that the checkpoint carries it.
+        self.preemptions += 1
+        save(path)
+        saved = time.monotonic()
+        self.preempted = True
+        self._handled_seqs.add(dec.seq)
+        if self.is_leader and self.lease is not None:
+            self.lease.ack(self._directive(dec), step=step, checkpoint=path, ok=True, message="checkpointed")
+            acked = time.monotonic()
+            released = self.lease.wait_released(timeout=self.release_timeout)
+            if not released:
+                log.warning("slices of %s not taken back within %.0fs; releasing the lease", self.job, self.release_timeout)
+            self.close()
+            done = time.monotonic()
+            seen = self._directive_seen_at.get(dec.seq, boundary)
+            self.last_preempt = PreemptTiming(
+                boundary_wait_s=max(0.0, boundary - seen),
+                checkpoint_s=saved - boundary,
+                protocol_s=(acked - saved) + (done - acked),
+                ack_s=acked - saved,
+                total_s=done - seen,
+            )
+        return path
+
+    def add_optimizer(self, optimizer: Any) -> None:
+        """Register an optimizer whose state a balloon may offload to host memory."""
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+            if self._balloon is not None and hasattr(self._balloon, "add_optimizer"):
+                self._balloon.add_optimizer(optimizer)
+
+    def _balloon_controller(self) -> Any:
+        if self._balloon is None and self.allocator != "none":
+            from gpupool_sdk.memory import make_balloon_controller
+
+            kind = self.allocator
+            if kind == "torch" and self.accelerator != "gpu":
+                kind = "host"
+            self._balloon = make_balloon_controller(kind=kind,  # type: ignore[arg-type]
+                quota_bytes=self.spec.memory_bytes or None)
+            for opt in self._optimizers:
+                self._balloon.add_optimizer(opt)
+        return self._balloon
+
+    def balloon(self, dec: Decision, step: int) -> None:
+        """Every rank: inflate (``balloon``) or deflate the memory balloon; rank 0 acks the bytes reached."""
+        self._handled_seqs.add(dec.seq)
+        ok, message, reached = True, "", None
+        try:
+            ctl = self._balloon_controller()
+            if ctl is None:
+                ok, message = False, "ballooning disabled (allocator='none')"
+            elif dec.kind == "balloon":
+                res = ctl.inflate(int(dec.target.get("memory_bytes", 0)))
+                ok, message, reached = bool(res.reached_target), res.message, int(res.reached_bytes)
+            else:
+                res = ctl.deflate()
+                message, reached = res.message, int(res.reached_bytes)
+        except GpupoolError as exc:
+            ok, message = False, str(exc)
+        if self.is_leader and self.lease is not None:
+            self.lease.ack(self._directive(dec), step=step, reached_bytes=reached, ok=ok, message=message)
+
+    def fence(self, dec: Decision, step: int, save: Callable[[str], None] | None) -> PoolLeaseLostError:
+        """Lease lost: write an emergency checkpoint if possible; return the error to raise."""
+        path: str | None = None
+        if save is not None:
+            try:
+                p = str(self.checkpoint_path(step, "emergency"))
+                save(p)
+                path = p
+            except Exception as exc:  # noqa: BLE001 - the error we raise matters more
+                log.warning("emergency checkpoint failed: %s", exc)
+        self.lost_error = PoolLeaseLostError(self.job, dec.reason or self.lost_reason(), path)
+        self._closed = True  # nothing left to release
+        return self.lost_error
+
+    def maybe_publish(self, step: int) -> None:
+        """Hand a telemetry summary to the lease when the interval is up (non-blocking)."""
+        if self.lease is None:
+            return
+        now = time.monotonic()
+        if now < self._next_publish:
+            return
+        self._next_publish = now + self.telemetry_interval_s
+        s = self.timer.summary()
+        summary = {
+            "job": self.job,
+            "step": step,
+            "steps_per_s": s["steps_per_s"],
+            "window_s": s["step_time_s"]["mean"] * s["steps"],
+            "phase_seconds": s["phase_s"],
+            "phase_fraction": s["phase_fraction"],
+            "last_step_at": time.time(),
+            "published_at": time.time(),
+        }
+        try:
+            self.lease.publish_telemetry(summary)
+        except Exception as exc:  # noqa: BLE001 - telemetry must never stop training
+            log.debug("publish_telemetry failed: %s", exc)
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "phases": self.timer.state_dict(),
+            "preemptions": self.preemptions,
+            "lease_generation": self.lease_generation,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state.get("version") != 1:
+            raise ConfigError("state_dict", "not a gpupool callback state (expected version 1)")
+        self.timer.load_state_dict(dict(state["phases"]))
+        self.preemptions = int(state.get("preemptions", 0))
+        # This incarnation's lease comes on top of the ones before it.
+        self.lease_generation = int(state.get("lease_generation", 0)) + max(1, self.lease_generation)
+
+
+def _visible_devices(lease: Any) -> list[str]:
+    vd = getattr(lease, "visible_devices", None)
+    if vd is None:
+        allocs = getattr(lease, "allocations", None) or []
+        vd = sorted({int(a.gpu_index) for a in allocs})
+    if isinstance(vd, str):
+        return [x.strip() for x in vd.split(",") if x.strip()]
+    return [str(x) for x in vd]

@@ -1,0 +1,64 @@
+"""A DataLoader that resumes mid-epoch, so a preempted job sees exactly the batches it would have.
+
+Lightning resumes a mid-epoch checkpoint with the right batch index, but an ordinary
+``DataLoader`` starts the epoch over from its first batch (Lightning warns "your dataloader is
+not resumable"). :class:`ResumableDataLoader` implements ``state_dict``/``load_state_dict``;
+:class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback` tells it at every batch how many
+batches of the epoch training has consumed (Lightning prefetches one batch ahead, so the
+loader's own count would be off by one), and on resume the first ``consumed`` batches of the
+epoch are skipped.
+
+The skipped batches are fetched and discarded (correct for any deterministic dataset and
+sampler, including ``num_workers > 0`` and a seeded shuffle that depends only on the epoch).
+
+Example:
+    >>> import torch
+    >>> from torch.utils.data import TensorDataset
+    >>> dl = ResumableDataLoader(TensorDataset(torch.arange(6.0)), batch_size=2)
+    >>> dl.load_state_dict({"consumed": 2})
+    >>> [b[0].tolist() for b in dl]
+    [[4.0, 5.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+
+class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
+    """``torch.utils.data.DataLoader`` plus mid-epoch resume (same arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gpupool_consumed = 0
+        self._gpupool_skip = 0
+
+    def mark_consumed(self, batches: int) -> None:
+        """Record that training has consumed ``batches`` batches of the current epoch."""
+        self.gpupool_consumed = batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """How many batches of the current epoch training consumed."""
+        return {"consumed": int(self.gpupool_consumed)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Skip the first ``state["consumed"]`` batches on the next iteration (none at an epoch end)."""
+        consumed = int(state.get("consumed", 0))
+        try:
+            total = len(self)
+        except TypeError:
+            total = None
+        self._gpupool_skip = 0 if total is not None and consumed >= total else consumed
+
+    def __iter__(self) -> Any:
+        it = super().__iter__()
+        skip, self._gpupool_skip = self._gpupool_skip, 0
+        self.gpupool_consumed = skip
+        for _ in range(skip):
+            try:
+                next(it)
+            except StopIteration:
+                break
+        return it

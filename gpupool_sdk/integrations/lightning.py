@@ -1,0 +1,304 @@
+"""Lightning integration: :class:`GpuPoolCallback` leases GPU slices for a Trainer.
+
+Works with ``pytorch_lightning`` and with ``lightning.pytorch`` (the class derives from the
+``Callback`` of each one installed, so either Trainer accepts it).
+
+Example (the whole integration)::
+
+    import pytorch_lightning as pl          # or: import lightning.pytorch as pl
+    from gpupool_sdk.integrations.lightning import GpuPoolCallback
+
+    pool = GpuPoolCallback(gpus=1, memory="20GiB", qos="shared", priority=5, checkpoint_dir="ckpt/")
+    trainer = pl.Trainer(accelerator=pool.accelerator, devices=pool.devices, callbacks=[pool], max_epochs=10)
+    trainer.fit(model, datamodule=dm, ckpt_path=pool.resume_from)
+    pool.exit_if_preempted()                # exit code 75 when preempted: "run me again"
+
+What the callback relies on in Lightning's hook order (pinned by
+``tests/integrations/test_hook_order.py``): per optimizer step ``on_train_batch_start`` ->
+``on_before_backward`` -> ``on_after_backward`` -> ``on_before_optimizer_step`` ->
+``on_train_batch_end``; the batch is fetched and moved to the device before
+``on_train_batch_start`` (counted as the data phase).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from gpupool_sdk.integrations._core import EX_TEMPFAIL, Decision, PoolLeaseLostError, PoolRuntime
+from gpupool_sdk.integrations.data import ResumableDataLoader
+from gpupool_sdk.telemetry.phases import Phase
+
+log = logging.getLogger("gpupool_sdk.integrations.lightning")
+
+_bases: list[type] = []
+try:
+    from pytorch_lightning import Callback as _PLCallback
+
+    _bases.append(_PLCallback)
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
+try:
+    from lightning.pytorch import Callback as _LCallback
+
+    _bases.append(_LCallback)
+except ImportError:
+    pass
+if not _bases:  # pragma: no cover
+    raise ImportError(
+        "GpuPoolCallback needs Lightning: pip install pytorch-lightning (or lightning), "
+        "or use gpupool_sdk.integrations.torch_loop.PoolSession for a plain PyTorch loop"
+    )
+
+__all__ = ["EX_TEMPFAIL", "GpuPoolCallback", "PoolLeaseLostError", "ResumableDataLoader"]
+
+
+def _loaders(obj: Any) -> list[Any]:
+    if obj is None:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [x for o in obj for x in _loaders(o)]
+    if isinstance(obj, dict):
+        return [x for o in obj.values() for x in _loaders(o)]
+    return [obj]
+
+
+class GpuPoolCallback(*_bases):  # type: ignore[misc]
+    """Leases GPU slices from the pool for a Lightning Trainer and obeys the pool's directives.
+
+    The constructor takes the lease *before* the Trainer touches CUDA: it submits the job spec,
+    waits in the queue, sets ``CUDA_VISIBLE_DEVICES`` to the leased GPUs, and looks up the
+    job's last acknowledged checkpoint. Pass :attr:`accelerator`, :attr:`devices` and
+    :attr:`resume_from` to the Trainer. Under ``gpupool run`` it attaches to the launcher's
+    lease instead of submitting a second spec; on ranks other than 0 it holds no lease and
+    follows rank 0.
+
+    At step boundaries (every ``check_every_n_steps`` optimizer steps) rank 0 looks at the
+    lease's latest directive (no I/O: the client's helper process keeps it current) and the
+    decision is broadcast through ``trainer.strategy`` so that every rank acts at the same step:
+
+    * ``preempt`` / ``resize``: every rank saves ``trainer.save_checkpoint`` into
+      ``checkpoint_dir`` (validation is not run first), rank 0 acks with the step and path,
+      waits for the coordinator to take the slices back, releases the lease, and the Trainer
+      stops (validation is disabled for the rest of this ``fit``). Then
+      :meth:`exit_if_preempted` exits with code 75 (``EX_TEMPFAIL``), which ``gpupool run``
+      reads as "queue me again".
+    * ``balloon`` / ``deflate``: the memory balloon is inflated or deflated at the boundary
+      (before the next optimizer step) and rank 0 acks the bytes reached.
+    * lease lost: an emergency checkpoint is written if possible and
+      :class:`PoolLeaseLostError` is raised out of ``trainer.fit``.
+
+    Args:
+        gpus: slices wanted.
+        memory: memory per slice (``"20GiB"``); required unless ``qos="exclusive"``.
+        qos: ``"shared"`` (default), ``"guaranteed"`` or ``"exclusive"``.
+        priority: higher runs first and may preempt lower.
+        name: job name; default ``$GPUPOOL_JOB`` or the script's file name. A job restarted
+            under the same name resumes from its last acknowledged checkpoint.
+        checkpoint_dir: where preemption checkpoints go (shared by all ranks).
+        endpoints: etcd endpoints (default ``$GPUPOOL_ENDPOINTS``).
+        compute_share: share of each GPU's compute, in (0, 1].
+        allocator: memory tier for balloons: ``"torch"``, ``"gpupool"`` or ``"none"``.
+        check_every_n_steps: directive check interval, in optimizer steps.
+        telemetry_interval_s: how often a phase summary is published.
+        acquire_timeout: seconds to wait in the queue (None: forever).
+        **spec_fields: other :class:`~gpupool_sdk.resources.JobSpec` fields (``features``,
+            ``gpu_model``, ``min_runtime_s``, ``preempt_grace_s``, ``owner``, ``prefix``...).
+
+    Raises:
+        ConfigError: an argument is invalid (the message names it and the fix).
+        AcquireTimeoutError: not granted within ``acquire_timeout``.
+    """
+
+    def __init__(
+        self,
+        gpus: int = 1,
+        memory: int | str | None = None,
+        qos: str = "shared",
+        priority: int = 0,
+        name: str | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        endpoints: str | None = None,
+        compute_share: float = 1.0,
+        allocator: str = "torch",
+        check_every_n_steps: int = 1,
+        telemetry_interval_s: float = 5.0,
+        acquire_timeout: float | None = None,
+        **spec_fields: Any,
+    ) -> None:
+        super().__init__()
+        self.runtime = PoolRuntime(
+            gpus=gpus,
+            memory=memory,
+            qos=qos,
+            priority=priority,
+            name=name,
+            checkpoint_dir=checkpoint_dir,
+            endpoints=endpoints,
+            compute_share=compute_share,
+            allocator=allocator,
+            check_every_n_steps=check_every_n_steps,
+            telemetry_interval_s=telemetry_interval_s,
+            acquire_timeout=acquire_timeout,
+            **spec_fields,
+        )
+        self.runtime.acquire()
+        self._opt_stepped = False
+        self._resumable: list[ResumableDataLoader] = []
+        self._last_checkpoint: str | None = None
+
+    # -- what the Trainer needs ------------------------------------------------------------
+    @property
+    def job(self) -> str:
+        """The job name."""
+        return self.runtime.job
+
+    @property
+    def accelerator(self) -> str:
+        """``"gpu"`` when the leased GPUs are visible to CUDA, else ``"cpu"``."""
+        return self.runtime.accelerator
+
+    @property
+    def devices(self) -> int:
+        """Devices for the Trainer: one per leased slice (CPU processes on a machine without GPUs)."""
+        return self.runtime.devices
+
+    @property
+    def resume_from(self) -> str | None:
+        """The job's last acknowledged checkpoint (pass as ``ckpt_path``), or None."""
+        return self.runtime.resume_from
+
+    @property
+    def preempted(self) -> bool:
+        """True once this process checkpointed and gave its slices back."""
+        return self.runtime.preempted
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions over the job's life (restored from checkpoints)."""
+        return self.runtime.preemptions
+
+    @property
+    def lease_generation(self) -> int:
+        """How many leases the job has held, this one included (restored from checkpoints)."""
+        return self.runtime.lease_generation
+
+    @property
+    def phase_timer(self) -> Any:
+        """The :class:`~gpupool_sdk.telemetry.phases.PhaseTimer` of this process."""
+        return self.runtime.timer
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """Path of the last checkpoint this callback wrote (preemption or emergency)."""
+        return self._last_checkpoint
+
+    def exit_if_preempted(self) -> None:
+        """Call after ``trainer.fit``: exit with code 75 if preempted, else release the lease.
+
+        Example:
+            >>> # trainer.fit(model, ckpt_path=pool.resume_from); pool.exit_if_preempted()
+        """
+        if self.runtime.preempted:
+            self.runtime.close()
+            sys.exit(EX_TEMPFAIL)
+        self.runtime.close()
+
+    def close(self) -> None:
+        """Release the lease now (idempotent; also runs at process exit)."""
+        self.runtime.close()
+
+    def __enter__(self) -> GpuPoolCallback:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.runtime.close()
+        if exc_type is None and self.runtime.preempted:
+            raise SystemExit(EX_TEMPFAIL)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        for opt in getattr(trainer, "optimizers", []) or []:
+            self.runtime.add_optimizer(opt)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._resumable = [dl for dl in _loaders(trainer.train_dataloader) if isinstance(dl, ResumableDataLoader)]
+        self.runtime.timer.discard_open()
+        self.runtime.timer.start(Phase.DATA)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        rt = self.runtime
+        rt.timer.stop(Phase.DATA)
+        if trainer.world_size == 1 and rt.lease_lost():
+            self._fence(trainer, Decision(kind="lost", reason=rt.lost_reason()))
+        for dl in self._resumable:
+            dl.mark_consumed(batch_idx + 1)
+        rt.timer.start(Phase.FORWARD)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self.runtime.timer.stop(Phase.FORWARD)
+        self.runtime.timer.start(Phase.BACKWARD)
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self.runtime.timer.stop(Phase.BACKWARD)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._opt_stepped = True
+        self.runtime.timer.start(Phase.OPTIMIZER)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        rt = self.runtime
+        rt.timer.stop(Phase.OPTIMIZER)
+        rt.timer.step_end()
+        stepped, self._opt_stepped = self._opt_stepped, False
+        step = int(trainer.global_step)
+        rt.step = step
+        # Act only where an optimizer step just finished (not mid gradient-accumulation), and
+        # on the same steps on every rank, so the broadcast below pairs up.
+        if stepped and step % rt.check_every_n_steps == 0:
+            wire = rt.decide().to_wire() if rt.is_leader else None
+            if trainer.world_size > 1:
+                wire = trainer.strategy.broadcast(wire, src=0)
+            dec = Decision.from_wire(wire)
+            if dec.kind == "lost":
+                self._fence(trainer, dec)
+            elif dec.kind == "preempt":
+                self._preempt(trainer, dec, step)
+                return
+            elif dec.kind in ("balloon", "deflate"):
+                rt.balloon(dec, step)
+        rt.maybe_publish(step)
+        rt.timer.start(Phase.DATA)
+
+    def _save(self, trainer: Any) -> Any:
+        def save(path: str) -> None:
+            began = time.monotonic()
+            trainer.save_checkpoint(path)
+            self.runtime.timer.add(Phase.CHECKPOINT, time.monotonic() - began)
+            self._last_checkpoint = path
+
+        return save
+
+    def _preempt(self, trainer: Any, dec: Decision, step: int) -> None:
+        log.info("gpupool: %s preempted at step %d (%s); checkpointing", self.job, step, dec.reason)
+        self.runtime.preempt(dec, step, self._save(trainer))
+        trainer.should_stop = True
+        # Stopping early would otherwise run validation on slices we no longer hold.
+        trainer.limit_val_batches = 0
+
+    def _fence(self, trainer: Any, dec: Decision) -> None:
+        raise self.runtime.fence(dec, int(trainer.global_step), self._save(trainer))
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if isinstance(exception, PoolLeaseLostError):
+            log.error("gpupool: %s", exception)
+
+    # -- state that survives a resume -----------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.runtime.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.runtime.load_state_dict(state_dict)

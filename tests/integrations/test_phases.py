@@ -1,0 +1,169 @@
+"""Unit tests of PhaseTimer (pure logic, fake clock)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.telemetry.phases import Phase, PhaseTimer
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def tick(self, s: float) -> None:
+        self.t += s
+
+
+def run_step(timer: PhaseTimer, clock: FakeClock, durations: dict[Phase, float], gap: float = 0.0) -> None:
+    for phase, secs in durations.items():
+        timer.start(phase)
+        clock.tick(secs)
+        timer.stop(phase)
+    clock.tick(gap)
+    timer.step_end()
+
+
+def test_rolling_summary_means_fractions_and_percentiles() -> None:
+    clock = FakeClock()
+    t = PhaseTimer(window=4, use_cuda_events=False, clock=clock)
+    for i in range(6):
+        run_step(t, clock, {Phase.DATA: 0.1, Phase.FORWARD: 0.2, Phase.BACKWARD: 0.3 + i * 0.1, Phase.OPTIMIZER: 0.1})
+    s = t.summary()
+    assert s["steps"] == 4
+    # window holds steps 2..5: backward 0.5, 0.6, 0.7, 0.8
+    assert s["phase_s"]["backward"] == pytest.approx(0.65)
+    assert s["phase_s"]["data"] == pytest.approx(0.1)
+    assert sum(s["phase_fraction"].values()) == pytest.approx(1.0)
+    assert s["step_time_s"]["p50"] == pytest.approx(1.05 + 0.0)
+    assert s["step_time_s"]["p99"] == pytest.approx(1.2, rel=0.01)
+    assert s["steps_per_s"] == pytest.approx(1 / 1.05)
+    life = s["lifetime"]
+    assert life["steps"] == 6
+    assert life["phase_s"]["forward"] == pytest.approx(1.2)
+
+
+def test_unclaimed_time_is_other_and_open_phases_close_at_step_end() -> None:
+    clock = FakeClock()
+    t = PhaseTimer(use_cuda_events=False, clock=clock)
+    t.start(Phase.FORWARD)
+    clock.tick(0.5)
+    t.step_end()  # forward still open: closed here
+    run_step(t, clock, {Phase.FORWARD: 0.25}, gap=0.75)
+    s = t.summary()
+    assert s["lifetime"]["phase_s"]["forward"] == pytest.approx(0.75)
+    assert s["lifetime"]["phase_s"]["other"] == pytest.approx(0.75)
+    assert s["lifetime"]["wall_s"] == pytest.approx(1.5)
+
+
+def test_context_manager_and_add() -> None:
+    clock = FakeClock()
+    t = PhaseTimer(use_cuda_events=False, clock=clock)
+    with t.phase(Phase.DATA):
+        clock.tick(0.2)
+    t.add(Phase.CHECKPOINT, 1.0)
+    clock.tick(1.0)
+    t.step_end()
+    life = t.lifetime()
+    assert life["phase_s"]["data"] == pytest.approx(0.2)
+    assert life["phase_s"]["checkpoint"] == pytest.approx(1.0)
+
+
+def test_state_dict_round_trip_keeps_lifetime_not_window() -> None:
+    clock = FakeClock()
+    t = PhaseTimer(use_cuda_events=False, clock=clock)
+    for _ in range(3):
+        run_step(t, clock, {Phase.FORWARD: 0.1})
+    state = t.state_dict()
+    u = PhaseTimer(use_cuda_events=False, clock=clock)
+    u.load_state_dict(state)
+    assert u.lifetime() == t.lifetime()
+    assert u.summary()["steps"] == 0
+    run_step(u, clock, {Phase.FORWARD: 0.1})
+    assert u.lifetime()["steps"] == 4
+
+
+def test_empty_summary_is_all_zero() -> None:
+    s = PhaseTimer(use_cuda_events=False).summary()
+    assert s["steps"] == 0 and s["steps_per_s"] == 0.0
+    assert set(s["phase_fraction"]) == {p.value for p in Phase}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "10"])
+def test_bad_window_names_the_argument(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="window"):
+        PhaseTimer(window=bad)
+
+
+def test_bad_state_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="state"):
+        PhaseTimer().load_state_dict({"steps": 3})
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: completes when the test says so."""
+
+    done = False
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def query(self) -> bool:
+        return FakeEvent.done
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.t - self.t) * 1000.0
+
+
+def test_device_times_are_read_a_step_later_without_synchronising() -> None:
+    clock = FakeClock()
+    t = PhaseTimer(use_cuda_events=False, clock=clock)
+    # Inject a step whose device events are still in flight (what a GPU step looks like).
+    t.start(Phase.FORWARD)
+    clock.tick(0.01)  # CPU only launched the kernels
+    t.stop(Phase.FORWARD)
+    t._cur_events.append((Phase.FORWARD, FakeEvent(0.0), FakeEvent(0.5)))
+    FakeEvent.done = False
+    t.step_end()
+    assert t.summary()["steps"] == 0 and t.summary()["pending_device_steps"] == 1
+    FakeEvent.done = True
+    run_step(t, clock, {Phase.DATA: 0.1})
+    s = t.summary()
+    assert s["steps"] == 2 and s["pending_device_steps"] == 0
+    assert t.lifetime()["phase_s"]["forward"] == pytest.approx(0.5)
+
+
+def test_pending_device_steps_are_bounded() -> None:
+    clock = FakeClock()
+    t = PhaseTimer(use_cuda_events=False, clock=clock, max_pending=2)
+    FakeEvent.done = False
+    for _ in range(5):
+        t._cur_events.append((Phase.FORWARD, FakeEvent(0.0), FakeEvent(0.5)))
+        run_step(t, clock, {Phase.FORWARD: 0.01})
+    assert t.summary()["pending_device_steps"] <= 2
+    assert t.lifetime()["steps"] == 3
+
+
+@pytest.mark.gpu
+def test_cuda_events_on_a_real_gpu() -> None:
+    import torch
+
+    torch.cuda.init()
+    t = PhaseTimer(use_cuda_events=True)
+    assert t.uses_cuda_events
+    x = torch.randn(1024, 1024, device="cuda")
+    for _ in range(3):
+        with t.phase(Phase.FORWARD):
+            x = x @ x
+            x = x / x.norm()
+        t.step_end()
+    torch.cuda.synchronize()
+    t.step_end()
+    assert t.lifetime()["steps"] == 4
+    assert t.lifetime()["phase_s"]["forward"] > 0
