@@ -1,0 +1,114 @@
+"""``gpupool coordinator``: run one coordinator replica (run two or more; one leads).
+
+SIGTERM or SIGINT resigns leadership at once (the leader key is deleted under the fence and the
+lease revoked), so a standby takes over without waiting for the TTL. SIGKILL leaves the key to
+expire with the lease: a standby takes over within one TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+from types import FrameType
+
+import click
+
+from gpupool_sdk.cli.common import endpoints_option, prefix_option, resolve_endpoints
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.coordinator import Coordinator
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.scheduler.types import SchedulerConfig
+from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store.keyspace import Keyspace
+
+
+def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
+    """Patroni's default of 10 s, capped so that ``loop_wait + 2 * retry_timeout <= ttl`` holds."""
+    return max(0.1, min(10.0, (math.ceil(ttl_s) - loop_wait_s) / 2))
+
+
+@click.command("coordinator")
+@endpoints_option
+@prefix_option
+@click.option("--id", "coordinator_id", default=None, help="Replica id (default <hostname>-<pid>).")
+@click.option("--ttl", type=float, default=30.0, show_default=True, help="Leader lease TTL in seconds.")
+@click.option("--loop-wait", type=float, default=10.0, show_default=True,
+              help="Seconds between time-driven cycles and renewals (changes wake it at once).")
+@click.option("--retry-timeout", type=float, default=None,
+              help="Seconds one etcd renewal may retry (default: min(10, (ttl - loop_wait) / 2)).")
+@click.option("--overcommit-ratio", type=float, default=1.0, show_default=True,
+              help="For shared slices: granted memory may reach this multiple of a GPU's memory.")
+@click.option("--min-runtime", type=float, default=0.0, show_default=True,
+              help="Seconds after a grant before a job may be preempted.")
+@click.option("--aging", type=float, default=60.0, show_default=True,
+              help="A pending job gains one priority point per this many seconds waited (0 = off).")
+@click.option("--preempt-grace", type=float, default=60.0, show_default=True,
+              help="Default seconds a job gets to checkpoint and ack a preemption.")
+@click.option("--no-preemption", is_flag=True, help="Never preempt: jobs only queue.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+def coordinator(
+    endpoints: str | None,
+    prefix: str | None,
+    coordinator_id: str | None,
+    ttl: float,
+    loop_wait: float,
+    retry_timeout: float | None,
+    overcommit_ratio: float,
+    min_runtime: float,
+    aging: float,
+    preempt_grace: float,
+    no_preemption: bool,
+    metrics_port: int | None,
+    log_level: str,
+) -> None:
+    """Run a coordinator replica: leader election, scheduling, fenced grants and preemptions."""
+    # A command line owns its process: configuring logging here is the host's choice, not the library's.
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if retry_timeout is None:
+        retry_timeout = default_retry_timeout(ttl, loop_wait)
+    try:
+        timing = LeaseTiming(ttl_s=ttl, keepalive_interval_s=min(loop_wait, max(0.1, ttl / 3)), retry_timeout_s=retry_timeout)
+        config = SchedulerConfig(
+            overcommit_ratio=overcommit_ratio,
+            min_runtime_s=min_runtime,
+            aging_s_per_priority=aging,
+            preempt_grace_s=preempt_grace,
+            allow_preemption=not no_preemption,
+        )
+    except ConfigError as exc:
+        flag = {"ttl_s": "--ttl", "retry_timeout_s": "--retry-timeout", "keepalive_interval_s": "--loop-wait",
+                "overcommit_ratio": "--overcommit-ratio", "min_runtime_s": "--min-runtime",
+                "aging_s_per_priority": "--aging", "preempt_grace_s": "--preempt-grace"}.get(exc.field, exc.field)
+        raise click.BadParameter(str(exc), param_hint=flag) from None
+    store = EtcdStore(resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=max(1.0, retry_timeout))
+    try:
+        coord = Coordinator(store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--loop-wait") from None
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        coord.stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    metrics = None
+    if metrics_port is not None:
+        from gpupool_sdk.telemetry.prometheus import serve_metrics
+
+        metrics = serve_metrics(store, metrics_port)
+    click.echo(
+        f"coordinator {coord.id} on {store.endpoint} prefix {store.keys.prefix} "
+        f"(ttl {timing.ttl_s:g}s, loop_wait {coord.timing.loop_wait_s:g}s, retry_timeout {timing.retry_timeout_s:g}s)",
+        err=True,
+    )
+    try:
+        stats = coord.run()
+    finally:
+        if metrics is not None:
+            metrics.close()
+        store.close()
+    click.echo(f"coordinator {coord.id} stopped after {stats.cycles} cycle(s)", err=True)
+    sys.exit(0)

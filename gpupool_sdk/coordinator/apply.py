@@ -1,0 +1,402 @@
+"""Turn the scheduler's decisions into fenced etcd writes, per the lease protocol.
+
+:func:`plan` is pure: a decision and the :class:`~gpupool_sdk.coordinator.snapshot.PoolState`
+it was made on in, a :class:`Plan` (guarded writes, then an optional lease revocation) out.
+:class:`Applier` runs plans through a :class:`~gpupool_sdk.coordinator.fencing.FencedWriter`.
+
+What each decision writes (see ``docs/architecture.md``, "The lease protocol"):
+
+* ``Grant``: every ``allocations/{node}/{gpu}/{job}`` and status GRANTED (term, gpus), all on the
+  job's lease, in one transaction that also checks the spec key is the same incarnation.
+* ``Queue`` / ``Reject``: status PENDING / REJECTED with the reason, only when state or reason
+  changed (no write storms on every cycle).
+* ``Preempt`` / ``Resize``: ``directives/{job}`` with the next seq, and status PREEMPTING.
+* ``Balloon`` / ``Deflate``: ``directives/{job}`` with the per-slice memory target.
+* ``Release``: delete allocations and directive, status SUSPENDED (or the decision's state),
+  ``checkpoints/{job}`` with the acknowledged checkpoint, ``usage/{job}``.
+* ``Revoke``: ``checkpoints/{job}`` and ``usage/{job}``, then revoke the job's etcd lease.
+* ``Shrink`` (when the scheduler emits it): rewrite the job's allocations with a new memory size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpupool_sdk.coordinator.fencing import DeleteOp, FencedWriter, Guard, Op, PutOp, SameIncarnation
+from gpupool_sdk.coordinator.snapshot import JobMeta, PoolState
+from gpupool_sdk.errors import LeaseLostError, StoreError
+from gpupool_sdk.resources import Allocation, Checkpoint, Directive, DirectiveKind, JobState, JobStatus
+from gpupool_sdk.scheduler import types as st
+from gpupool_sdk.scheduler.types import SchedulerConfig
+from gpupool_sdk.store.codec import encode
+from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.store.records import ResumeRecord
+
+log = logging.getLogger(__name__)
+
+UsageWriter = Callable[[str, PoolState, float], "Mapping[str, Any] | None"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The writes one decision needs.
+
+    Attributes:
+        job: the job the decision is about.
+        kind: the decision's class name (for logs and metrics).
+        ops: writes applied atomically (empty = nothing to do).
+        guards: extra compares beyond the fence.
+        revoke_lease: an etcd lease to revoke after the writes succeeded (forced preemption).
+    """
+
+    job: str
+    kind: str
+    ops: tuple[Op, ...] = ()
+    guards: tuple[Guard, ...] = ()
+    revoke_lease: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.ops and not self.revoke_lease
+
+
+@dataclass
+class ApplyReport:
+    """What one cycle's application did."""
+
+    applied: dict[str, int] = field(default_factory=dict)
+    skipped: int = 0
+    lost: int = 0
+    revoked: int = 0
+    granted_jobs: list[str] = field(default_factory=list)
+
+
+def _status(
+    state: PoolState,
+    job: str,
+    new_state: JobState,
+    reason: str,
+    now: float,
+    **changes: Any,
+) -> JobStatus:
+    meta = state.jobs[job]
+    view = state.snapshot.jobs[job]
+    old = meta.status
+    resume = meta.resume
+    base = JobStatus(
+        state=new_state,
+        reason=reason,
+        updated_at=now,
+        queued_at=view.queued_at,
+        granted_at=old.granted_at if old is not None else None,
+        preemptions=old.preemptions if old is not None else (resume.preemptions if resume is not None else 0),
+        last_checkpoint=(old.last_checkpoint if old is not None else None)
+        or (resume.last_checkpoint if resume is not None else None),
+        term=state.snapshot.term,
+        gpus=len(view.allocations),
+        attained_gpu_s=view.attained_gpu_s,
+    )
+    return replace(base, **changes)
+
+
+def _put_status(ks: Keyspace, meta: JobMeta, status: JobStatus) -> PutOp:
+    return PutOp(ks.job_status(meta.name), encode(status), meta.lease)
+
+
+def _guard(ks: Keyspace, meta: JobMeta) -> tuple[Guard, ...]:
+    return (SameIncarnation(ks.job_spec(meta.name), meta.spec_create_revision),)
+
+
+def _next_seq(state: PoolState, job: str) -> int:
+    view = state.snapshot.jobs[job]
+    seqs = [0]
+    if view.directive is not None:
+        seqs.append(view.directive.seq)
+    if view.ack is not None:
+        seqs.append(view.ack.seq)
+    return max(seqs) + 1
+
+
+def _checkpoint_from_ack(state: PoolState, job: str) -> Checkpoint | None:
+    view = state.snapshot.jobs[job]
+    meta = state.jobs[job]
+    ack = view.ack
+    if ack is not None and ack.checkpoint:
+        return Checkpoint(path=ack.checkpoint, step=ack.step, at=ack.at or state.snapshot.now)
+    if meta.status is not None and meta.status.last_checkpoint is not None:
+        return meta.status.last_checkpoint
+    return meta.resume.last_checkpoint if meta.resume is not None else None
+
+
+def resume_record(state: PoolState, job: str, preempted: bool) -> ResumeRecord:
+    """The ``checkpoints/{job}`` record to keep when the job gives its slices back."""
+    view = state.snapshot.jobs[job]
+    meta = state.jobs[job]
+    old_pre = meta.status.preemptions if meta.status is not None else 0
+    if meta.resume is not None:
+        old_pre = max(old_pre, meta.resume.preemptions)
+    first_queued = meta.resume.first_queued_at if meta.resume is not None and meta.resume.first_queued_at else view.queued_at
+    return ResumeRecord(
+        job=job,
+        last_checkpoint=_checkpoint_from_ack(state, job),
+        preemptions=old_pre + (1 if preempted else 0),
+        first_queued_at=first_queued,
+        attained_gpu_s=view.attained_gpu_s,
+    )
+
+
+def simple_usage(job: str, state: PoolState, now: float) -> Mapping[str, Any]:
+    """A minimal ``usage/{job}`` body: GPU-seconds by QoS class, accumulated over incarnations."""
+    view = state.snapshot.jobs[job]
+    prev = state.usage.get(job, {})
+    gpu_s = 0.0
+    if view.granted_at is not None and view.allocations:
+        gpu_s = len(view.allocations) * max(0.0, now - view.granted_at)
+    qos = view.spec.qos_class.value
+    by_qos = dict(prev.get("gpu_seconds_by_qos", {})) if isinstance(prev.get("gpu_seconds_by_qos"), dict) else {}
+    by_qos[qos] = float(by_qos.get(qos, 0.0)) + gpu_s
+    mem_s = sum(a.memory_bytes for a in view.allocations) * (
+        max(0.0, now - view.granted_at) if view.granted_at is not None else 0.0
+    )
+    prev_mem = prev.get("memory_byte_seconds", 0.0)
+    return {
+        "job": job,
+        "owner": view.spec.owner,
+        "gpu_seconds": sum(float(v) for v in by_qos.values()),
+        "gpu_seconds_by_qos": by_qos,
+        "memory_byte_seconds": (float(prev_mem) if isinstance(prev_mem, (int, float)) else 0.0) + mem_s,
+        "models": sorted({state.snapshot.gpus[a.gpu_uuid].model for a in view.allocations if a.gpu_uuid in state.snapshot.gpus}),
+        "updated_at": now,
+    }
+
+
+def _release_ops(
+    ks: Keyspace, state: PoolState, job: str, now: float, preempted: bool, usage: UsageWriter | None
+) -> list[Op]:
+    view = state.snapshot.jobs[job]
+    ops: list[Op] = [DeleteOp(ks.allocation(a.node, a.gpu_uuid, job)) for a in view.allocations]
+    ops.append(PutOp(ks.checkpoint(job), encode(resume_record(state, job, preempted))))
+    body = (usage or simple_usage)(job, state, now)
+    if body is not None:
+        ops.append(PutOp(ks.usage(job), encode(dict(body), kind="UsageRecord")))
+    return ops
+
+
+def plan(
+    decision: st.Decision,
+    state: PoolState,
+    keyspace: Keyspace,
+    config: SchedulerConfig,
+    usage: UsageWriter | None = None,
+) -> Plan:
+    """Plan the writes of one decision (pure: no I/O, no clock; ``now`` is the snapshot's).
+
+    Args:
+        decision: what the scheduler decided.
+        state: the state it decided on.
+        keyspace: the pool's keyspace.
+        config: scheduler settings (grace periods for directives without a deadline).
+        usage: builds the ``usage/{job}`` body when a job gives its slices back (default
+            :func:`simple_usage`); returning None writes nothing.
+
+    Returns:
+        The plan; an empty plan when nothing needs writing (the job vanished, or the status
+        already says the same thing).
+    """
+    ks = keyspace
+    job = decision.job
+    kind = type(decision).__name__
+    meta = state.jobs.get(job)
+    view = state.snapshot.jobs.get(job)
+    now = state.snapshot.now
+    term = state.snapshot.term
+    if meta is None or view is None:
+        return Plan(job, kind)  # the spec vanished since the snapshot: nothing to write for it
+    guards = _guard(ks, meta)
+    old = meta.status
+
+    if isinstance(decision, st.Grant):
+        ops: list[Op] = []
+        new_keys = set()
+        for s in decision.slices:
+            alloc = Allocation(
+                job=job,
+                node=s.node,
+                gpu_uuid=s.gpu_uuid,
+                gpu_index=s.gpu_index,
+                memory_bytes=s.memory_bytes,
+                compute_share=s.compute_share,
+                mode=view.spec.qos_class,
+                term=term,
+                granted_at=now,
+            )
+            key = ks.allocation(s.node, s.gpu_uuid, job)
+            new_keys.add(key)
+            ops.append(PutOp(key, encode(alloc), meta.lease))
+        ops.extend(
+            DeleteOp(k)
+            for a in view.allocations
+            if (k := ks.allocation(a.node, a.gpu_uuid, job)) not in new_keys
+        )
+        if view.directive is not None:
+            ops.append(DeleteOp(ks.directive(job)))
+        where = ", ".join(sorted({s.node for s in decision.slices}))
+        reason = decision.reason or f"granted {len(decision.slices)} slice(s) on {where}"
+        status = _status(state, job, JobState.GRANTED, reason, now, granted_at=now, gpus=len(decision.slices))
+        ops.append(_put_status(ks, meta, status))
+        return Plan(job, kind, tuple(ops), guards)
+
+    if isinstance(decision, st.Queue):
+        if old is not None and old.state is JobState.PENDING and old.reason == decision.reason:
+            return Plan(job, kind)
+        if view.allocations:
+            log.warning("scheduler queued %s which holds %d slice(s); ignoring", job, len(view.allocations))
+            return Plan(job, kind)
+        status = _status(state, job, JobState.PENDING, decision.reason, now, granted_at=None, gpus=0)
+        return Plan(job, kind, (_put_status(ks, meta, status),), guards)
+
+    if isinstance(decision, st.Reject):
+        if old is not None and old.state is JobState.REJECTED and old.reason == decision.reason:
+            return Plan(job, kind)
+        status = _status(state, job, JobState.REJECTED, decision.reason, now, granted_at=None, gpus=0)
+        return Plan(job, kind, (_put_status(ks, meta, status),), guards)
+
+    if isinstance(decision, (st.Preempt, st.Resize)):
+        dkind = DirectiveKind.PREEMPT if isinstance(decision, st.Preempt) else DirectiveKind.RESIZE
+        if view.directive is not None and view.directive.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
+            return Plan(job, kind)  # one preemption at a time; its deadline stands
+        target: dict[str, Any] = {"gpus": decision.gpus} if isinstance(decision, st.Resize) else {}
+        directive = Directive(
+            kind=dkind,
+            seq=_next_seq(state, job),
+            deadline=decision.deadline,
+            target=target,
+            reason=decision.reason,
+            issued_at=now,
+            term=term,
+        )
+        status = _status(state, job, JobState.PREEMPTING, decision.reason, now)
+        return Plan(
+            job, kind, (PutOp(ks.directive(job), encode(directive), meta.lease), _put_status(ks, meta, status)), guards
+        )
+
+    if isinstance(decision, (st.Balloon, st.Deflate)):
+        if isinstance(decision, st.Balloon):
+            dkind, target_bytes, deadline = DirectiveKind.BALLOON, decision.target_bytes, decision.deadline
+        else:
+            granted = max((a.memory_bytes for a in view.allocations), default=view.spec.memory_bytes)
+            dkind, target_bytes, deadline = DirectiveKind.DEFLATE, max(granted, view.spec.memory_bytes), now + config.balloon_grace_s
+        cur = view.directive
+        if cur is not None and cur.kind is dkind and cur.target.get("memory_bytes") == target_bytes:
+            return Plan(job, kind)
+        if cur is not None and cur.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
+            return Plan(job, kind)  # a preemption outranks a memory change
+        directive = Directive(
+            kind=dkind,
+            seq=_next_seq(state, job),
+            deadline=deadline,
+            target={"memory_bytes": target_bytes},
+            reason=decision.reason,
+            issued_at=now,
+            term=term,
+        )
+        return Plan(job, kind, (PutOp(ks.directive(job), encode(directive), meta.lease),), guards)
+
+    if isinstance(decision, st.Release):
+        preempted = view.directive is not None and view.directive.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE)
+        ops = _release_ops(ks, state, job, now, preempted, usage)
+        if view.directive is not None:
+            ops.append(DeleteOp(ks.directive(job)))
+        pre = (old.preemptions if old is not None else 0) + (1 if preempted else 0)
+        status = _status(
+            state,
+            job,
+            decision.state,
+            decision.reason,
+            now,
+            granted_at=None,
+            gpus=0,
+            preemptions=pre,
+            last_checkpoint=_checkpoint_from_ack(state, job),
+        )
+        ops.append(_put_status(ks, meta, status))
+        return Plan(job, kind, tuple(ops), guards)
+
+    if isinstance(decision, st.Revoke):
+        ops = _release_ops(ks, state, job, now, True, usage)
+        # The allocations vanish with the lease; deleting them here as well frees them even if
+        # the revoke below fails.
+        return Plan(job, kind, tuple(ops), guards, revoke_lease=meta.lease)
+
+    shrink = getattr(st, "Shrink", None)
+    if shrink is not None and isinstance(decision, shrink):
+        mem = int(decision.memory_bytes)
+        ops = []
+        for a in view.allocations:
+            if a.memory_bytes != mem:
+                new = replace(a, memory_bytes=mem, term=term)
+                ops.append(PutOp(ks.allocation(a.node, a.gpu_uuid, job), encode(new), meta.lease))
+        if view.directive is not None and view.directive.kind is DirectiveKind.BALLOON:
+            ops.append(DeleteOp(ks.directive(job)))
+        return Plan(job, kind, tuple(ops), guards)
+
+    log.warning("unknown decision %r ignored", decision)
+    return Plan(job, kind)
+
+
+class Applier:
+    """Applies decisions through a :class:`FencedWriter`, one transaction per decision.
+
+    Args:
+        writer: the fenced writer (it demotes the coordinator on a lost fence).
+        keyspace: the pool's keyspace.
+        config: scheduler settings.
+        revoke: revokes an etcd lease (the store's ``revoke_lease``).
+        usage: builds ``usage/{job}`` bodies (default :func:`simple_usage`).
+    """
+
+    def __init__(
+        self,
+        writer: FencedWriter,
+        keyspace: Keyspace,
+        config: SchedulerConfig,
+        revoke: Callable[[int], Any],
+        usage: UsageWriter | None = None,
+    ) -> None:
+        self._writer = writer
+        self._ks = keyspace
+        self._config = config
+        self._revoke = revoke
+        self._usage = usage
+
+    def apply(self, decisions: Sequence[st.Decision], state: PoolState) -> ApplyReport:
+        """Apply ``decisions`` in order; stop at the first lost fence (we no longer lead)."""
+        report = ApplyReport()
+        for d in decisions:
+            p = plan(d, state, self._ks, self._config, self._usage)
+            if p.empty:
+                report.skipped += 1
+                continue
+            ok = self._writer.write(p.ops, p.guards) if p.ops else True
+            if not ok:
+                report.lost += 1
+                if self._writer.check():
+                    log.info("%s for %s skipped: the job changed since the snapshot", p.kind, p.job)
+                    continue
+                break
+            report.applied[p.kind] = report.applied.get(p.kind, 0) + 1
+            if p.kind == "Grant":
+                report.granted_jobs.append(p.job)
+            if p.revoke_lease:
+                try:
+                    self._revoke(p.revoke_lease)
+                    report.revoked += 1
+                except LeaseLostError:
+                    pass  # already gone: the job died or released on its own
+                except StoreError as exc:
+                    log.warning("could not revoke lease %x of %s: %s (retried next cycle)", p.revoke_lease, p.job, exc)
+            log.info("%s %s: %s", p.kind.lower(), p.job, getattr(d, "reason", ""))
+        return report

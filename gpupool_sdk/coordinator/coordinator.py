@@ -1,0 +1,348 @@
+"""The coordinator: one decision loop over an immutable snapshot, in the manner of Patroni's ``ha.py``.
+
+Every replica runs the same loop. A watch on the whole pool prefix wakes it on any change; it
+also wakes every ``loop_wait_s`` (and at the earliest directive deadline), because deadlines and
+minimum run times pass without any key changing. Each wake-up:
+
+1. **Election step.** A standby campaigns when the leader key is absent; the leader renews at
+   most every ``loop_wait_s`` (and steps down when it cannot renew in time).
+2. **Cycle** (leader only, one at a time): read the whole prefix at one revision
+   (:func:`~gpupool_sdk.coordinator.snapshot.build_state`), run the pure
+   :class:`~gpupool_sdk.scheduler.policy.Scheduler`, apply its decisions through the
+   :class:`~gpupool_sdk.coordinator.apply.Applier`, fenced on the leader key.
+3. **Usage.** Accrue GPU-seconds and cost of every held slice into the
+   :class:`~gpupool_sdk.telemetry.usage.UsageLedger`; flush changed ``usage/{job}`` records
+   (fenced) every ``usage_flush_s`` and whenever a job gives its slices back.
+
+SIGTERM (through :meth:`Coordinator.stop`) ends the loop and resigns at once: the leader key is
+deleted under the fence and the lease revoked, so a standby takes over without waiting a TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.coordinator.apply import Applier, ApplyReport
+from gpupool_sdk.coordinator.election import Election, ElectionTiming
+from gpupool_sdk.coordinator.fencing import FencedWriter, PutOp
+from gpupool_sdk.coordinator.snapshot import PoolState, build_state
+from gpupool_sdk.errors import GpupoolError, NotLeaderError, SpecError, StoreError
+from gpupool_sdk.resources import Allocation
+from gpupool_sdk.scheduler import types as st
+from gpupool_sdk.scheduler.types import SchedulerConfig
+from gpupool_sdk.store import EtcdStore, WatchEvent
+from gpupool_sdk.store.codec import encode
+from gpupool_sdk.telemetry.pricing import PriceTable
+from gpupool_sdk.telemetry.usage import UsageLedger, UsageRecord
+
+log = logging.getLogger(__name__)
+
+# Usage records of a job are written at most this often while it runs (and at release).
+DEFAULT_USAGE_FLUSH_S = 15.0
+# A burst of watch events (a gang grant, a client writing spec then telemetry) is taken in one cycle.
+_DEBOUNCE_S = 0.002
+
+
+@dataclass
+class CycleReport:
+    """What one scheduling cycle did (for logs, metrics and tests).
+
+    Attributes:
+        term: the term it ran under.
+        revision: the etcd revision of its snapshot.
+        decisions: how many decisions the scheduler returned.
+        applied: applied decisions by kind.
+        duration_s: wall time of the cycle (monotonic).
+        problems: malformed keys skipped.
+    """
+
+    term: int
+    revision: int
+    decisions: int
+    applied: dict[str, int] = field(default_factory=dict)
+    duration_s: float = 0.0
+    problems: int = 0
+
+
+@dataclass
+class CoordinatorStats:
+    """Counters since start (exposed to metrics and ``run()`` callers)."""
+
+    cycles: int = 0
+    decisions: int = 0
+    applied: dict[str, int] = field(default_factory=dict)
+    fenced_out: int = 0
+    terms_won: int = 0
+    last_cycle_s: float = 0.0
+    last_error: str = ""
+
+
+class Coordinator:
+    """A coordinator replica: leader election, snapshot, schedule, fenced apply.
+
+    Args:
+        store: the etcd store (its keyspace is the pool's).
+        config: the scheduler's policy knobs.
+        timing: TTL, keepalive interval and retry deadline of the coordinator's lease.
+        coordinator_id: this replica's id (default ``<hostname>-<pid>``).
+        loop_wait_s: time between time-driven cycles and renewals (default
+            ``timing.keepalive_interval_s``); ``loop_wait_s + 2 * retry_timeout_s <= ttl_s``.
+        scheduler: the policy (default :class:`~gpupool_sdk.scheduler.policy.Scheduler` on ``config``).
+        prices: price table for usage accounting (default catalog prices).
+        usage_flush_s: how often running jobs' ``usage/{job}`` records are written.
+        on_cycle: called after every cycle with its report (metrics, tests).
+
+    Raises:
+        ConfigError: the timing relation does not hold; the message names the setting.
+
+    Example:
+        >>> store = EtcdStore("127.0.0.1:2379")                                   # doctest: +SKIP
+        >>> coord = Coordinator(store, SchedulerConfig(), LeaseTiming(10, 2, 3))  # doctest: +SKIP
+        >>> coord.run()    # blocks until coord.stop() (e.g. from a SIGTERM handler)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        config: SchedulerConfig,
+        timing: LeaseTiming,
+        coordinator_id: str | None = None,
+        loop_wait_s: float | None = None,
+        scheduler: Any = None,
+        prices: PriceTable | None = None,
+        usage_flush_s: float = DEFAULT_USAGE_FLUSH_S,
+        on_cycle: Callable[[CycleReport], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.config = config
+        self.timing = ElectionTiming(timing, timing.keepalive_interval_s if loop_wait_s is None else loop_wait_s)
+        if scheduler is None:
+            from gpupool_sdk.scheduler.policy import Scheduler
+
+            scheduler = Scheduler(config)
+        self.scheduler = scheduler
+        self.election = Election(store, coordinator_id, self.timing, on_demoted=self._on_demoted)
+        self.id = self.election.id
+        self.writer = FencedWriter(store, self.election.fence, self.election.demote)
+        self.applier = Applier(self.writer, self.keys, config, store.revoke_lease, usage=self._usage_body)
+        self.prices = prices if prices is not None else PriceTable()
+        self.usage_flush_s = usage_flush_s
+        self.on_cycle = on_cycle
+        self.stats = CoordinatorStats()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._leader_event = threading.Event()
+        self._watcher: Any = None
+        self._ledger: UsageLedger | None = None
+        self._ledger_dirty: set[str] = set()
+        self._last_accrual: float | None = None
+        self._last_flush = 0.0
+        self._last_state: PoolState | None = None
+        self._cycle_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def is_leader(self) -> bool:
+        """True while this replica leads (and can still trust that it does)."""
+        return self.election.is_leader()
+
+    @property
+    def term(self) -> int:
+        return self.election.term
+
+    @property
+    def last_state(self) -> PoolState | None:
+        """The state the last cycle scheduled on."""
+        return self._last_state
+
+    def _on_demoted(self, reason: str) -> None:
+        self.stats.fenced_out += 1
+        self._ledger = None  # a later term re-seeds from etcd: another leader may have written since
+        self._ledger_dirty.clear()
+        self._last_accrual = None
+        self._wake.set()
+
+    # ------------------------------------------------------------------ watch
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        leader_key = self.keys.leader()
+        for e in events:
+            if e.kv.key == leader_key:
+                self._leader_event.set()
+                break
+        self._wake.set()
+
+    def _on_resync(self) -> int | None:
+        self._wake.set()
+        self._leader_event.set()
+        return None
+
+    # ------------------------------------------------------------------ loop
+
+    def stop(self) -> None:
+        """Ask the loop to end; :meth:`run` resigns leadership before it returns. Signal-safe."""
+        self._stop.set()
+        self._wake.set()
+        self._leader_event.set()
+
+    def run(self) -> CoordinatorStats:
+        """Run until :meth:`stop`; resigns leadership (if held) before returning."""
+        self._watcher = self.store.watch_prefix(self.keys.root(), self._on_events, on_resync=self._on_resync)
+        next_renew = 0.0
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                self._leader_event.clear()
+                timeout = self.timing.loop_wait_s
+                try:
+                    now_m = time.monotonic()
+                    if self.election.term == 0 or now_m >= next_renew:
+                        leading = self.election.step()
+                        next_renew = now_m + self.timing.loop_wait_s
+                        if leading and self.election.terms_won > self.stats.terms_won:
+                            self.stats.terms_won = self.election.terms_won
+                    else:
+                        leading = self.election.is_leader()
+                    if leading:
+                        report = self.run_cycle()
+                        if report is not None:
+                            timeout = min(timeout, self._until_next_deadline())
+                    timeout = min(timeout, max(0.0, next_renew - time.monotonic()))
+                    self.stats.last_error = ""
+                except StoreError as exc:
+                    self.stats.last_error = str(exc)
+                    log.warning("coordinator %s: etcd error: %s", self.id, exc)
+                except NotLeaderError:
+                    pass
+                if self._stop.is_set():
+                    break
+                if self.election.term:
+                    if self._wake.wait(timeout):
+                        time.sleep(_DEBOUNCE_S)
+                else:
+                    self._leader_event.wait(timeout)  # standby: only the leader key's changes matter
+        finally:
+            self._shutdown()
+        return self.stats
+
+    def _shutdown(self) -> None:
+        if self._watcher is not None:
+            try:
+                self._watcher.cancel()
+            except GpupoolError as exc:
+                log.info("watch cancel: %s", exc)
+        if self.election.term:
+            try:
+                self._flush_usage(force=True)
+            except (StoreError, NotLeaderError) as exc:
+                log.info("final usage flush skipped: %s", exc)
+        self.election.resign()
+
+    def _until_next_deadline(self) -> float:
+        state = self._last_state
+        if state is None:
+            return self.timing.loop_wait_s
+        deadlines = [v.directive.deadline for v in state.snapshot.jobs.values() if v.directive is not None]
+        if not deadlines:
+            return self.timing.loop_wait_s
+        # A little past the deadline so the cycle sees it expired.
+        return max(0.0, min(deadlines) - time.time() + 0.01)
+
+    # ------------------------------------------------------------------ one cycle
+
+    def read_state(self, term: int = 0) -> PoolState:
+        """Read the whole pool prefix at one revision and parse it."""
+        kvs, revision = self.store.get_prefix(self.keys.root())
+        return build_state(kvs, self.keys, time.time(), revision, term)
+
+    def run_cycle(self) -> CycleReport | None:
+        """One scheduling cycle if this replica leads; None otherwise."""
+        with self._cycle_lock:
+            fence = self.election.fence()
+            if fence is None:
+                return None
+            t0 = time.monotonic()
+            state = self.read_state(fence.term)
+            result = self.scheduler.schedule(state.snapshot)
+            decisions: Sequence[st.Decision] = getattr(result, "decisions", result)
+            self._accrue(state)
+            report: ApplyReport = self.applier.apply(decisions, state)
+            self._last_state = state
+            for kind, n in report.applied.items():
+                self.stats.applied[kind] = self.stats.applied.get(kind, 0) + n
+            if any(k in report.applied for k in ("Release", "Revoke")) or time.monotonic() - self._last_flush >= self.usage_flush_s:
+                self._flush_usage()
+            cycle = CycleReport(
+                term=fence.term,
+                revision=state.revision,
+                decisions=len(decisions),
+                applied=dict(report.applied),
+                duration_s=time.monotonic() - t0,
+                problems=len(state.problems),
+            )
+            self.stats.cycles += 1
+            self.stats.decisions += len(decisions)
+            self.stats.last_cycle_s = cycle.duration_s
+            if self.on_cycle is not None:
+                self.on_cycle(cycle)
+            return cycle
+
+    # ------------------------------------------------------------------ usage
+
+    def _seed_ledger(self, state: PoolState) -> UsageLedger:
+        records: list[UsageRecord] = []
+        for job, body in state.usage.items():
+            try:
+                records.append(UsageRecord.from_dict(body, where=f"usage/{job}"))
+            except (SpecError, TypeError, ValueError) as exc:
+                log.warning("usage/%s unreadable, restarting its count: %s", job, exc)
+        return UsageLedger.from_records(records)
+
+    def _accrue(self, state: PoolState) -> None:
+        now_m = time.monotonic()
+        if self._ledger is None:
+            self._ledger = self._seed_ledger(state)
+            self._last_accrual = now_m
+            return
+        dt = 0.0 if self._last_accrual is None else now_m - self._last_accrual
+        self._last_accrual = now_m
+        by_job: dict[str, list[Allocation]] = {}
+        for a in state.allocations:
+            by_job.setdefault(a.job, []).append(a)
+        owners: Mapping[str, str] = {name: v.spec.owner for name, v in state.snapshot.jobs.items()}
+        changed = self._ledger.accrue_all(by_job, owners, state.snapshot.gpus, dt, self.prices, state.snapshot.now)
+        self._ledger_dirty.update(r.job for r in changed)
+
+    def _usage_body(self, job: str, state: PoolState, now: float) -> Mapping[str, Any] | None:
+        # Written with Release/Revoke: the ledger has accrued this job up to this cycle.
+        if self._ledger is None:
+            return None
+        rec = self._ledger.get(job)
+        if rec is None:
+            return None
+        self._ledger_dirty.discard(job)
+        return rec.to_dict()
+
+    def _flush_usage(self, force: bool = False) -> None:
+        if self._ledger is None or not self._ledger_dirty:
+            self._last_flush = time.monotonic()
+            return
+        jobs = sorted(self._ledger_dirty)
+        for i in range(0, len(jobs), 64):  # etcd caps operations per transaction (128 by default)
+            chunk = jobs[i : i + 64]
+            ops = []
+            for job in chunk:
+                rec = self._ledger.get(job)
+                if rec is not None:
+                    ops.append(PutOp(self.keys.usage(job), encode(rec)))
+            if self.writer.write(ops):
+                self._ledger_dirty.difference_update(chunk)
+        self._last_flush = time.monotonic()

@@ -1,0 +1,269 @@
+"""Build a frozen :class:`~gpupool_sdk.scheduler.types.ClusterSnapshot` from etcd.
+
+One ``get_prefix`` of the whole pool prefix is read at one etcd revision and parsed into a
+:class:`PoolState`: the scheduler's snapshot plus what the coordinator needs to apply decisions
+(each job's etcd lease, its spec's create revision, its current status) and what ``gpupool status``
+shows (leader, nodes, usage). A value that does not parse is reported as a :class:`Problem`
+naming the key and skipped: one hand-edited key never stops the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpupool_sdk.errors import SchemaError
+from gpupool_sdk.resources import (
+    Ack,
+    Allocation,
+    Directive,
+    GpuInfo,
+    JobSpec,
+    JobState,
+    JobStatus,
+    LeaderRecord,
+    NodeInfo,
+)
+from gpupool_sdk.scheduler.types import ClusterSnapshot, JobView
+from gpupool_sdk.store.codec import decode, decode_dict
+from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.store.records import ResumeRecord
+from gpupool_sdk.store.types import KeyValue
+
+log = logging.getLogger(__name__)
+
+# States in which a job holds (or is about to give back) slices.
+HOLDING_STATES = frozenset({JobState.GRANTED, JobState.PREEMPTING})
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A value under the prefix that could not be used (reported, then skipped)."""
+
+    key: str
+    message: str
+
+
+@dataclass(frozen=True)
+class JobMeta:
+    """What the coordinator needs besides the scheduler's view to write a job's keys.
+
+    Attributes:
+        name: the job.
+        lease: the etcd lease of its spec key; status, allocations and directives go on it.
+        spec_create_revision: create revision of ``jobs/{job}/spec`` (identifies this incarnation).
+        status: the status as last written, if any.
+        status_mod_revision: mod revision of the status key (0 when absent).
+        resume: the job's ``checkpoints/{job}`` record from earlier incarnations, if any.
+        telemetry: the raw telemetry body the client reported, if any.
+    """
+
+    name: str
+    lease: int
+    spec_create_revision: int
+    status: JobStatus | None = None
+    status_mod_revision: int = 0
+    resume: ResumeRecord | None = None
+    telemetry: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """Everything under the pool prefix at one etcd revision.
+
+    Attributes:
+        snapshot: the scheduler's input.
+        revision: the etcd revision the state was read at (0 when unknown).
+        leader: the current leader record, if any.
+        leader_create_revision: create revision of the leader key (0 when none).
+        nodes: node records by name.
+        jobs: coordinator-side details of every job with a valid spec.
+        allocations: every valid allocation, including orphans whose job has no spec.
+        resumes: every ``checkpoints/{job}`` record.
+        usage: raw ``usage/{job}`` bodies.
+        problems: keys that could not be used, with the reason.
+    """
+
+    snapshot: ClusterSnapshot
+    revision: int = 0
+    leader: LeaderRecord | None = None
+    leader_create_revision: int = 0
+    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
+    jobs: Mapping[str, JobMeta] = field(default_factory=dict)
+    allocations: tuple[Allocation, ...] = ()
+    resumes: Mapping[str, ResumeRecord] = field(default_factory=dict)
+    usage: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    problems: tuple[Problem, ...] = ()
+
+
+def _peak_from_telemetry(body: Mapping[str, Any] | None) -> int | None:
+    # The telemetry record is the client's (a TelemetrySummary, possibly wrapped in a
+    # TelemetryRecord's "summary"); only its memory peak matters here, read leniently.
+    if not body:
+        return None
+    for holder in (body, body.get("summary")):
+        if isinstance(holder, Mapping):
+            v = holder.get("memory_peak_bytes")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+                return int(v)
+    return None
+
+
+def build_state(
+    items: Iterable[KeyValue],
+    keyspace: Keyspace,
+    now: float,
+    revision: int = 0,
+    term: int = 0,
+) -> PoolState:
+    """Parse every key of the pool into a :class:`PoolState` (pure: no I/O, no clock).
+
+    Args:
+        items: every key under ``keyspace.root()``, read at one revision.
+        keyspace: the pool's keyspace.
+        now: wall-clock time of the snapshot (seconds since the epoch).
+        revision: the etcd revision of the read.
+        term: the leader term decisions will be written under.
+
+    Returns:
+        The parsed state; malformed values are in ``problems`` (also logged with the key) and skipped.
+    """
+    problems: list[Problem] = []
+
+    def bad(key: str, message: str) -> None:
+        log.warning("skipping %s: %s", key, message)
+        problems.append(Problem(key, message))
+
+    gpus: dict[str, GpuInfo] = {}
+    nodes: dict[str, NodeInfo] = {}
+    cordoned: set[str] = set()
+    draining: set[str] = set()
+    specs: dict[str, tuple[JobSpec, KeyValue]] = {}
+    statuses: dict[str, tuple[JobStatus, int]] = {}
+    allocations: list[Allocation] = []
+    directives: dict[str, Directive] = {}
+    acks: dict[str, Ack] = {}
+    telemetry: dict[str, Mapping[str, Any]] = {}
+    resumes: dict[str, ResumeRecord] = {}
+    usage: dict[str, Mapping[str, Any]] = {}
+    leader: LeaderRecord | None = None
+    leader_rev = 0
+
+    for kv in items:
+        parsed = keyspace.parse(kv.key)
+        if parsed is None:
+            continue  # keys of other shapes (future kinds, the term counter) are not ours to judge
+        kind, parts = parsed.kind, parsed.parts
+        try:
+            if kind == "gpus":
+                g = decode(kv.key, kv.value, GpuInfo)
+                if g.uuid != parts[1] or g.node != parts[0]:
+                    raise SchemaError(kv.key, f"names GPU {g.node}/{g.uuid}, not the one in its key")
+                gpus[g.uuid] = g
+            elif kind == "nodes":
+                nodes[parts[0]] = decode(kv.key, kv.value, NodeInfo)
+            elif kind == "cordons":
+                cordoned.add(parts[0])  # the key's presence is the intent; its value is informative only
+            elif kind == "drains":
+                draining.add(parts[0])
+            elif kind == "jobs.spec":
+                spec = decode(kv.key, kv.value, JobSpec)
+                if spec.name != parts[0]:
+                    raise SchemaError(kv.key, f"spec names job {spec.name!r}, not {parts[0]!r}")
+                specs[spec.name] = (spec, kv)
+            elif kind == "jobs.status":
+                statuses[parts[0]] = (decode(kv.key, kv.value, JobStatus), kv.mod_revision)
+            elif kind == "allocations":
+                a = decode(kv.key, kv.value, Allocation)
+                if (a.node, a.gpu_uuid, a.job) != parts:
+                    raise SchemaError(kv.key, "allocation fields do not match its key")
+                allocations.append(a)
+            elif kind == "directives":
+                directives[parts[0]] = decode(kv.key, kv.value, Directive)
+            elif kind == "acks":
+                acks[parts[0]] = decode(kv.key, kv.value, Ack)
+            elif kind == "telemetry":
+                telemetry[parts[0]] = decode_dict(kv.key, kv.value)
+            elif kind == "checkpoints":
+                resumes[parts[0]] = decode(kv.key, kv.value, ResumeRecord)
+            elif kind == "usage":
+                usage[parts[0]] = decode_dict(kv.key, kv.value)
+            elif kind == "leader":
+                leader = decode(kv.key, kv.value, LeaderRecord)
+                leader_rev = kv.create_revision
+        except SchemaError as exc:
+            bad(kv.key, str(exc).removeprefix(kv.key + ": "))
+
+    allocs_by_job: dict[str, list[Allocation]] = {}
+    for a in allocations:
+        allocs_by_job.setdefault(a.job, []).append(a)
+
+    views: dict[str, JobView] = {}
+    metas: dict[str, JobMeta] = {}
+    for name, (spec, kv) in specs.items():
+        status, status_rev = statuses.get(name, (None, 0))
+        resume = resumes.get(name)
+        ack = acks.get(name)
+        held = tuple(sorted(allocs_by_job.get(name, ()), key=lambda a: (a.node, a.gpu_index, a.gpu_uuid)))
+        state = status.state if status is not None else JobState.PENDING
+        if status is not None and status.queued_at:
+            queued_at = status.queued_at
+        elif resume is not None and resume.first_queued_at:
+            queued_at = resume.first_queued_at
+        else:
+            queued_at = now
+        granted_at = status.granted_at if status is not None and state in HOLDING_STATES else None
+        ckpt_times = [status.last_checkpoint.at] if status is not None and status.last_checkpoint else []
+        if ack is not None and ack.checkpoint and ack.at:
+            ckpt_times.append(ack.at)
+        last_ckpt = max(ckpt_times) if ckpt_times else None
+        if last_ckpt is not None and granted_at is not None and last_ckpt < granted_at:
+            last_ckpt = None  # a checkpoint from an earlier grant does not reduce the work this grant would lose
+        attained = resume.attained_gpu_s if resume is not None else 0.0
+        if granted_at is not None and held:
+            attained += len(held) * max(0.0, now - granted_at)
+        views[name] = JobView(
+            spec=spec,
+            state=state,
+            allocations=held,
+            queued_at=queued_at,
+            granted_at=granted_at,
+            last_checkpoint_at=last_ckpt,
+            attained_gpu_s=attained,
+            directive=directives.get(name),
+            ack=ack,
+            memory_peak_bytes=_peak_from_telemetry(telemetry.get(name)),
+            order=kv.create_revision,
+        )
+        metas[name] = JobMeta(
+            name=name,
+            lease=kv.lease,
+            spec_create_revision=kv.create_revision,
+            status=status,
+            status_mod_revision=status_rev,
+            resume=resume,
+            telemetry=telemetry.get(name),
+        )
+
+    snap = ClusterSnapshot(
+        now=now,
+        gpus=gpus,
+        jobs=views,
+        cordoned=frozenset(cordoned),
+        draining=frozenset(draining),
+        term=term,
+    )
+    return PoolState(
+        snapshot=snap,
+        revision=revision,
+        leader=leader,
+        leader_create_revision=leader_rev,
+        nodes=nodes,
+        jobs=metas,
+        allocations=tuple(allocations),
+        resumes=resumes,
+        usage=usage,
+        problems=tuple(problems),
+    )
