@@ -1,0 +1,528 @@
+"""Real GPUs through NVML (``pynvml``, from the ``nvidia-ml-py`` package).
+
+What is read, and when:
+
+- **Once, at start** (identity and topology): UUID, name, index, total memory, compute
+  capability, SM count (``nvmlDeviceGetAttributes``, else CUDA cores / cores per SM, else the
+  catalog), PCIe bus id, NUMA node (``nvmlDeviceGetNumaNodeId``, else the CPU affinity mask
+  matched against ``/sys/devices/system/node``, else the PCI device's ``numa_node`` in sysfs),
+  NVLink (per link: ``nvmlDeviceGetNvLinkState`` and the remote end's PCI bus id, and a peer
+  check with ``nvmlDeviceGetP2PStatus(..., NVLINK)``; GPUs whose active links end on an
+  NVSwitch are one all-to-all fabric), PCIe grouping (``nvmlDeviceGetTopologyCommonAncestor``:
+  GPUs whose common ancestor is at most a PCIe switch share ``pcie_path``).
+- **On every refresh** (health): temperature, power, volatile uncorrectable ECC count, and XID
+  events drained from an event set with a 0 ms wait. Fatal XIDs are remembered until the agent
+  restarts (a fatal XID needs a GPU reset, after which the agent is restarted anyway).
+
+Every NVML call that a GPU does not support (``NotSupported``, ``FunctionNotFound``,
+``NoPermission``) leaves that one field unknown; a GPU that NVML reports lost is unhealthy.
+
+``nvlink_island``: islands are the connected components of the NVLink graph, numbered in the
+order of their lowest device index; a GPU with no NVLink has None. ``nvlink_peers``: GPUs with
+a direct link (through an NVSwitch, every GPU of the fabric).
+``pcie_path``: ``pci:<bus id of the lowest-index GPU of the switch group>``, equal for GPUs under
+one PCIe switch (or a tree of switches below one host bridge).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.inventory.catalog import GpuModel, match_nvml_name
+from gpupool_sdk.inventory.health import HealthSample, HealthThresholds, judge_health
+from gpupool_sdk.resources.gpu import GpuInfo, NodeInfo
+
+log = logging.getLogger(__name__)
+
+# NVML error codes (stable C ABI values) that mean "this GPU cannot tell you this field".
+_ERR_NOT_SUPPORTED = 3
+_ERR_NO_PERMISSION = 4
+_ERR_TIMEOUT = 10
+_ERR_FUNCTION_NOT_FOUND = 13
+_ERR_GPU_IS_LOST = 15
+_UNSUPPORTED = frozenset({_ERR_NOT_SUPPORTED, _ERR_NO_PERMISSION, _ERR_FUNCTION_NOT_FOUND})
+_MAX_EVENTS_PER_REFRESH = 256
+
+# CUDA cores per SM by compute capability major.minor (for the NumGpuCores fallback).
+_CORES_PER_SM = {"7.0": 64, "7.2": 64, "7.5": 64, "8.0": 64, "8.6": 128, "8.7": 128, "8.9": 128, "9.0": 128}
+
+
+class NvmlUnavailableError(ConfigError):
+    """NVML cannot be used here (no NVIDIA driver, no GPU, or no ``pynvml``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            "nvml",
+            f"NVIDIA GPUs cannot be read through NVML ({reason}); on a machine without GPUs declare "
+            "simulated ones, e.g. --simulate '4xH100-80GB:nvlink'",
+        )
+
+
+@dataclass
+class _Device:
+    handle: Any
+    index: int
+    uuid: str
+    name: str
+    memory_bytes: int
+    compute_capability: str
+    sm_count: int
+    bus_id: str
+    numa_node: int | None
+    model: GpuModel | None
+
+
+class NvmlBackend:
+    """The GPUs of this machine, read through NVML.
+
+    Args:
+        node: node name (default: the host name).
+        thresholds: health limits.
+        nvml: the NVML module (default ``pynvml``); tests pass a fake.
+        sysfs_root: root of ``/sys`` (tests point it elsewhere).
+
+    Raises:
+        NvmlUnavailableError: NVML cannot be initialised or sees no GPU.
+
+    Example:
+        >>> backend = NvmlBackend()          # doctest: +SKIP
+        >>> [g.model for g in backend.gpus()]  # doctest: +SKIP
+        ['H100-80GB', 'H100-80GB']
+    """
+
+    kind = "nvml"
+
+    def __init__(
+        self,
+        node: str | None = None,
+        thresholds: HealthThresholds | None = None,
+        nvml: Any = None,
+        sysfs_root: str | os.PathLike[str] = "/sys",
+    ) -> None:
+        if nvml is None:
+            try:
+                nvml = importlib.import_module("pynvml")
+            except ImportError as exc:
+                raise NvmlUnavailableError(f"pynvml is not installed: {exc}") from None
+        self._nvml = nvml
+        self._sysfs = Path(sysfs_root)
+        self._thresholds = thresholds or HealthThresholds()
+        self._node = node or socket.gethostname()
+        self._started_at = time.time()
+        self._closed = False
+        self._warned: set[tuple[str, str]] = set()
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            raise NvmlUnavailableError(f"nvmlInit failed: {exc}") from None
+        try:
+            count = nvml.nvmlDeviceGetCount()
+            if count < 1:
+                raise NvmlUnavailableError("NVML sees no GPU")
+            self._driver_version = self._opt("system", "driver_version", nvml.nvmlSystemGetDriverVersion) or ""
+            self._devices = [self._identify(i) for i in range(count)]
+            self._peers, self._islands = self._nvlink_topology()
+            self._pcie_paths = self._pcie_groups()
+            self._xids: dict[str, set[int]] = {d.uuid: set() for d in self._devices}
+            self._event_set = self._register_xid_events()
+        except BaseException:
+            self._shutdown()
+            raise
+
+    # ----------------------------------------------------------------------------------- public
+
+    @property
+    def node(self) -> str:
+        return self._node
+
+    def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            name=self._node,
+            hostname=socket.gethostname(),
+            agent_pid=os.getpid(),
+            gpu_count=len(self._devices),
+            backend=self.kind,
+            started_at=self._started_at,
+            driver_version=_text(self._driver_version),
+        )
+
+    def gpus(self) -> list[GpuInfo]:
+        self._drain_xid_events()
+        out = []
+        for d in self._devices:
+            sample = self._sample(d)
+            health = judge_health(sample, self._thresholds)
+            peers = tuple(self._devices[j].uuid for j in sorted(self._peers[d.index]))
+            island = self._islands[d.index]
+            out.append(self._info(d, peers, island, health))
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown()
+
+    # ------------------------------------------------------------------------------- identity
+
+    def _identify(self, index: int) -> _Device:
+        nv = self._nvml
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(nv.nvmlDeviceGetUUID(h))
+        name = _text(nv.nvmlDeviceGetName(h))
+        mem = self._opt(uuid, "memory", lambda: nv.nvmlDeviceGetMemoryInfo(h))
+        memory_bytes = int(mem.total) if mem is not None else 0
+        cc_pair = self._opt(uuid, "compute_capability", lambda: nv.nvmlDeviceGetCudaComputeCapability(h))
+        cc = f"{cc_pair[0]}.{cc_pair[1]}" if cc_pair is not None else ""
+        model = match_nvml_name(name, memory_bytes or None)
+        if not cc and model is not None:
+            cc = model.compute_capability
+        pci = self._opt(uuid, "pci", lambda: nv.nvmlDeviceGetPciInfo(h))
+        bus_id = _bus_id(pci) if pci is not None else ""
+        return _Device(
+            handle=h,
+            index=index,
+            uuid=uuid,
+            name=name,
+            memory_bytes=memory_bytes or (model.memory_bytes if model else 0),
+            compute_capability=cc,
+            sm_count=self._sm_count(h, uuid, cc, model),
+            bus_id=bus_id,
+            numa_node=self._numa_node(h, uuid, bus_id),
+            model=model,
+        )
+
+    def _sm_count(self, h: Any, uuid: str, cc: str, model: GpuModel | None) -> int:
+        nv = self._nvml
+        attrs = self._opt(uuid, "attributes", lambda: nv.nvmlDeviceGetAttributes(h))
+        sms = int(getattr(attrs, "multiprocessorCount", 0) or 0) if attrs is not None else 0
+        if sms > 0:
+            return sms
+        cores = self._opt(uuid, "num_gpu_cores", lambda: nv.nvmlDeviceGetNumGpuCores(h))
+        per_sm = _CORES_PER_SM.get(cc) or (128 if cc and float(cc) >= 8.6 else 0)
+        if cores and per_sm:
+            return int(cores) // per_sm
+        return model.sm_count if model else 0
+
+    def _numa_node(self, h: Any, uuid: str, bus_id: str) -> int | None:
+        nv = self._nvml
+        numa = self._opt(uuid, "numa_node", lambda: nv.nvmlDeviceGetNumaNodeId(h))
+        if isinstance(numa, int) and numa >= 0:
+            return numa
+        node_cpus = _numa_cpus(self._sysfs)
+        if node_cpus:
+            words = (os.cpu_count() or 64) // 64 + 1
+            mask = self._opt(uuid, "cpu_affinity", lambda: nv.nvmlDeviceGetCpuAffinity(h, words))
+            if mask is not None:
+                cpus = {w * 64 + b for w, word in enumerate(mask) for b in range(64) if int(word) >> b & 1}
+                for node_id, node_set in sorted(node_cpus.items()):
+                    if cpus and cpus <= node_set:
+                        return node_id
+        if bus_id:
+            # sysfs names PCI devices with a 4-digit domain; NVML uses 8 digits.
+            dom, _, rest = bus_id.partition(":")
+            path = self._sysfs / "bus" / "pci" / "devices" / f"{dom[-4:]}:{rest}".lower() / "numa_node"
+            try:
+                value = int(path.read_text().strip())
+            except (OSError, ValueError):
+                return None
+            return value if value >= 0 else None
+        return None
+
+    # ------------------------------------------------------------------------------- topology
+
+    def _nvlink_topology(self) -> tuple[list[set[int]], list[int | None]]:
+        nv = self._nvml
+        n = len(self._devices)
+        by_bus = {d.bus_id: d.index for d in self._devices if d.bus_id}
+        peers: list[set[int]] = [set() for _ in range(n)]
+        on_switch: set[int] = set()
+        max_links = int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))
+        switch_type = getattr(nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
+        for d in self._devices:
+            for link in range(max_links):
+                try:
+                    state = nv.nvmlDeviceGetNvLinkState(d.handle, link)
+                except nv.NVMLError as exc:
+                    if getattr(exc, "value", None) == _ERR_GPU_IS_LOST:
+                        log.warning("GPU %s is lost while reading NVLink state", d.uuid)
+                    break  # no such link (InvalidArgument) or no NVLink at all (NotSupported)
+                if state != getattr(nv, "NVML_FEATURE_ENABLED", 1):
+                    continue
+                remote = self._opt(d.uuid, "nvlink_remote_pci", lambda d=d, link=link: nv.nvmlDeviceGetNvLinkRemotePciInfo(d.handle, link))
+                remote_bus = _bus_id(remote) if remote is not None else ""
+                if remote_bus in by_bus and by_bus[remote_bus] != d.index:
+                    peers[d.index].add(by_bus[remote_bus])
+                    peers[by_bus[remote_bus]].add(d.index)
+                    continue
+                rtype = self._opt(d.uuid, "nvlink_remote_type", lambda d=d, link=link: nv.nvmlDeviceGetNvLinkRemoteDeviceType(d.handle, link)) if hasattr(nv, "nvmlDeviceGetNvLinkRemoteDeviceType") else None
+                if rtype == switch_type:
+                    on_switch.add(d.index)
+        for i in on_switch:  # an NVSwitch fabric is all-to-all
+            peers[i].update(on_switch - {i})
+        p2p_ok = getattr(nv, "NVML_P2P_STATUS_OK", 0)
+        nvlink_cap = getattr(nv, "NVML_P2P_CAPS_INDEX_NVLINK", 2)
+        if hasattr(nv, "nvmlDeviceGetP2PStatus"):
+            for a in self._devices:
+                for b in self._devices[a.index + 1 :]:
+                    status = self._opt(a.uuid, "p2p_nvlink", lambda a=a, b=b: nv.nvmlDeviceGetP2PStatus(a.handle, b.handle, nvlink_cap))
+                    if status is not None and status == p2p_ok:
+                        peers[a.index].add(b.index)
+                        peers[b.index].add(a.index)
+        islands: list[int | None] = [None] * n
+        next_island = 0
+        for start in range(n):
+            if islands[start] is not None or not peers[start]:
+                continue
+            stack = [start]
+            islands[start] = next_island
+            while stack:
+                i = stack.pop()
+                for j in peers[i]:
+                    if islands[j] is None:
+                        islands[j] = next_island
+                        stack.append(j)
+            next_island += 1
+        return peers, islands
+
+    def _pcie_groups(self) -> list[str]:
+        nv = self._nvml
+        multiple = getattr(nv, "NVML_TOPOLOGY_MULTIPLE", 20)
+        n = len(self._devices)
+        parent = list(range(n))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for a in self._devices:
+            for b in self._devices[a.index + 1 :]:
+                level = self._opt(a.uuid, "topology_common_ancestor", lambda a=a, b=b: nv.nvmlDeviceGetTopologyCommonAncestor(a.handle, b.handle))
+                if level is not None and int(level) <= multiple:
+                    ra, rb = find(a.index), find(b.index)
+                    parent[max(ra, rb)] = min(ra, rb)
+        paths = []
+        for d in self._devices:
+            root = self._devices[find(d.index)]
+            paths.append(f"pci:{root.bus_id or root.index}")
+        return paths
+
+    # --------------------------------------------------------------------------------- health
+
+    def _register_xid_events(self) -> Any:
+        nv = self._nvml
+        event_set = self._opt("system", "event_set", nv.nvmlEventSetCreate)
+        if event_set is None:
+            return None
+        xid_type = getattr(nv, "nvmlEventTypeXidCriticalError", 0x8)
+        for d in self._devices:
+            self._opt(d.uuid, "xid_events", lambda d=d: nv.nvmlDeviceRegisterEvents(d.handle, xid_type, event_set))
+        return event_set
+
+    def _drain_xid_events(self) -> None:
+        nv = self._nvml
+        if self._event_set is None:
+            return
+        xid_type = getattr(nv, "nvmlEventTypeXidCriticalError", 0x8)
+        for _ in range(_MAX_EVENTS_PER_REFRESH):
+            try:
+                event = nv.nvmlEventSetWait(self._event_set, 0)
+            except nv.NVMLError as exc:
+                if getattr(exc, "value", None) != _ERR_TIMEOUT:
+                    self._warn_once("system", "xid_wait", exc)
+                return
+            if int(getattr(event, "eventType", 0)) & xid_type == 0:
+                continue
+            try:
+                uuid = _text(nv.nvmlDeviceGetUUID(event.device))
+            except nv.NVMLError:
+                uuid = ""
+            xid = int(event.eventData)
+            if uuid in self._xids:
+                if xid not in self._xids[uuid]:
+                    log.warning("GPU %s reported XID %d", uuid, xid)
+                self._xids[uuid].add(xid)
+            else:
+                log.warning("XID %d from a device NVML could not name", xid)
+
+    def _sample(self, d: _Device) -> HealthSample:
+        nv = self._nvml
+        lost = False
+
+        def read(field: str, fn: Any) -> Any:
+            nonlocal lost
+            try:
+                return fn()
+            except nv.NVMLError as exc:
+                code = getattr(exc, "value", None)
+                if code == _ERR_GPU_IS_LOST:
+                    lost = True
+                elif code not in _UNSUPPORTED:
+                    self._warn_once(d.uuid, field, exc)
+                return None
+
+        temp = read("temperature", lambda: nv.nvmlDeviceGetTemperature(d.handle, getattr(nv, "NVML_TEMPERATURE_GPU", 0)))
+        power_mw = read("power", lambda: nv.nvmlDeviceGetPowerUsage(d.handle))
+        ecc = read(
+            "ecc",
+            lambda: nv.nvmlDeviceGetTotalEccErrors(
+                d.handle,
+                getattr(nv, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+                getattr(nv, "NVML_VOLATILE_ECC", 0),
+            ),
+        )
+        return HealthSample(
+            temperature_c=float(temp) if temp is not None else None,
+            power_w=round(float(power_mw) / 1000.0, 1) if power_mw is not None else None,
+            ecc_double_bit=int(ecc) if ecc is not None else None,
+            xids=tuple(sorted(self._xids.get(d.uuid, ()))),
+            lost=lost,
+        )
+
+    # -------------------------------------------------------------------------------- helpers
+
+    def _info(self, d: _Device, peers: tuple[str, ...], island: int | None, health: Any) -> GpuInfo:
+        m = d.model
+        if m is not None:
+            features = [f for f in m.features if f != "nvlink"]
+            tflops: dict[str, float] = dict(m.tflops)
+            bandwidth = m.memory_bandwidth_gbps
+            model_name = m.name
+        else:
+            features = _features_from_cc(d.compute_capability)
+            tflops = {}
+            bandwidth = 0.0
+            model_name = _model_name(d.name)
+        if peers:
+            features.append("nvlink")
+        return GpuInfo(
+            uuid=d.uuid,
+            node=self._node,
+            index=d.index,
+            model=model_name,
+            memory_bytes=d.memory_bytes,
+            sm_count=d.sm_count,
+            compute_capability=d.compute_capability,
+            tflops=tflops,
+            memory_bandwidth_gbps=bandwidth,
+            features=tuple(features),
+            nvlink_peers=peers,
+            nvlink_island=island,
+            pcie_path=self._pcie_paths[d.index],
+            numa_node=d.numa_node,
+            health=health,
+            simulated=False,
+        )
+
+    def _opt(self, who: str, field: str, fn: Any) -> Any:
+        """Call ``fn``; None when the GPU does not support it (warn once for other NVML errors)."""
+        try:
+            return fn()
+        except self._nvml.NVMLError as exc:
+            if getattr(exc, "value", None) not in _UNSUPPORTED:
+                self._warn_once(who, field, exc)
+            return None
+
+    def _warn_once(self, who: str, field: str, exc: BaseException) -> None:
+        if (who, field) not in self._warned:
+            self._warned.add((who, field))
+            log.warning("NVML cannot read %s of %s: %s", field, who, exc)
+
+    def _shutdown(self) -> None:
+        nv = self._nvml
+        event_set = getattr(self, "_event_set", None)
+        if event_set is not None:
+            self._opt("system", "event_set_free", lambda: nv.nvmlEventSetFree(event_set))
+            self._event_set = None
+        try:
+            nv.nvmlShutdown()
+        except nv.NVMLError as exc:
+            log.debug("nvmlShutdown failed: %s", exc)
+
+
+def nvml_available(nvml: Any = None) -> bool:
+    """True when NVML initialises and sees at least one GPU (used to pick a backend)."""
+    try:
+        nv = nvml if nvml is not None else importlib.import_module("pynvml")
+    except ImportError:
+        return False
+    try:
+        nv.nvmlInit()
+    except Exception:
+        return False
+    try:
+        return int(nv.nvmlDeviceGetCount()) > 0
+    except Exception:
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            nv.nvmlShutdown()
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _bus_id(pci: Any) -> str:
+    raw = getattr(pci, "busId", b"") or getattr(pci, "busIdLegacy", b"")
+    return _text(raw).strip().lower()
+
+
+def _model_name(nvml_name: str) -> str:
+    """``"NVIDIA A10G"`` -> ``"A10G"``: a readable model name for GPUs outside the catalog."""
+    name = re.sub(r"^(NVIDIA|Tesla)\s+", "", nvml_name.strip(), flags=re.IGNORECASE)
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-") or "unknown"
+
+
+def _features_from_cc(cc: str) -> list[str]:
+    try:
+        v = float(cc)
+    except ValueError:
+        return ["fp32"]
+    feats = ["fp64", "fp32", "fp16"]
+    if v >= 6.1:
+        feats.append("int8")
+    if v >= 7.0:
+        feats.append("tensor_cores")
+    if v >= 8.0:
+        feats += ["tf32", "bf16"]
+    if v >= 8.9:
+        feats.append("fp8")
+    return feats
+
+
+def _numa_cpus(sysfs: Path) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    try:
+        entries = list((sysfs / "devices" / "system" / "node").glob("node[0-9]*"))
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            cpus = _parse_cpulist((entry / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+        out[int(entry.name[4:])] = cpus
+    return out
+
+
+def _parse_cpulist(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus

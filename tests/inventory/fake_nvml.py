@@ -1,0 +1,263 @@
+"""A small fake of the ``pynvml`` module: enough NVML for the NVML backend's logic on a CPU.
+
+It raises the real ``pynvml.NVMLError`` classes (so error-code handling is exercised as in
+production) and models a box of GPUs with NVLink links, PCIe switches, NUMA nodes, health
+readings and an XID event queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml as _real
+
+MiB = 1024**2
+
+
+def err(code: int) -> _real.NVMLError:
+    return _real.NVMLError(code)
+
+
+NOT_SUPPORTED = _real.NVML_ERROR_NOT_SUPPORTED
+
+
+@dataclass
+class FakeGpu:
+    index: int
+    name: str = "NVIDIA H100 80GB HBM3"
+    memory_bytes: int = 81559 * MiB
+    cc: tuple[int, int] = (9, 0)
+    cores: int | None = 16896
+    sm_attr: int | None = None  # None: nvmlDeviceGetAttributes is NotSupported
+    numa: int | None = 0  # None: nvmlDeviceGetNumaNodeId is NotSupported
+    cpu_mask: list[int] = field(default_factory=lambda: [0xF])
+    links: list[tuple[bool, str]] = field(default_factory=list)  # (active, remote bus id or "switch")
+    switch_group: int = 0  # GPUs with equal group share a PCIe switch
+    host_group: int = 0  # GPUs with equal group share a NUMA node / host bridge tree
+    temperature: float | None = 40.0
+    power_mw: int | None = 90_000
+    ecc: int | None = 0
+    lost: bool = False
+
+    @property
+    def uuid(self) -> str:
+        return f"GPU-fake-{self.index:04d}-aaaa-bbbb"
+
+    @property
+    def bus_id(self) -> str:
+        return f"00000000:{0x18 + self.index * 0x10:02X}:00.0"
+
+
+@dataclass
+class _Pci:
+    busId: bytes
+
+
+@dataclass
+class _Mem:
+    total: int
+    free: int
+    used: int
+
+
+@dataclass
+class _Attrs:
+    multiprocessorCount: int
+
+
+@dataclass
+class _Event:
+    device: Any
+    eventType: int
+    eventData: int
+
+
+class FakeNvml:
+    """Stands in for the ``pynvml`` module; pass it as ``NvmlBackend(nvml=FakeNvml(gpus))``."""
+
+    NVMLError = _real.NVMLError
+    NVML_FEATURE_ENABLED = _real.NVML_FEATURE_ENABLED
+    NVML_FEATURE_DISABLED = _real.NVML_FEATURE_DISABLED
+    NVML_NVLINK_MAX_LINKS = 18
+    NVML_NVLINK_DEVICE_TYPE_GPU = _real.NVML_NVLINK_DEVICE_TYPE_GPU
+    NVML_NVLINK_DEVICE_TYPE_SWITCH = _real.NVML_NVLINK_DEVICE_TYPE_SWITCH
+    NVML_TOPOLOGY_SINGLE = _real.NVML_TOPOLOGY_SINGLE
+    NVML_TOPOLOGY_MULTIPLE = _real.NVML_TOPOLOGY_MULTIPLE
+    NVML_TOPOLOGY_NODE = _real.NVML_TOPOLOGY_NODE
+    NVML_TOPOLOGY_SYSTEM = _real.NVML_TOPOLOGY_SYSTEM
+    NVML_P2P_CAPS_INDEX_NVLINK = _real.NVML_P2P_CAPS_INDEX_NVLINK
+    NVML_P2P_STATUS_OK = _real.NVML_P2P_STATUS_OK
+    nvmlEventTypeXidCriticalError = _real.nvmlEventTypeXidCriticalError
+    NVML_TEMPERATURE_GPU = _real.NVML_TEMPERATURE_GPU
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    NVML_VOLATILE_ECC = _real.NVML_VOLATILE_ECC
+
+    def __init__(
+        self, gpus: list[FakeGpu], *, init_error: int | None = None, p2p: bool = False, link_api: bool = True
+    ) -> None:
+        self.gpus = gpus
+        self.init_error = init_error
+        self.p2p = p2p  # False: nvmlDeviceGetP2PStatus is NotSupported (links are the only source)
+        self.link_api = link_api  # False: per-link NVLink calls are NotSupported (P2P is the only source)
+        self.inits = 0
+        self.shutdowns = 0
+        self.events: list[_Event] = []
+        self.registered: set[int] = set()
+        self.event_sets_freed = 0
+
+    # lifecycle
+    def nvmlInit(self) -> None:
+        if self.init_error is not None:
+            raise err(self.init_error)
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "560.35.03"
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> FakeGpu:
+        return self.gpus[i]
+
+    # identity
+    def nvmlDeviceGetUUID(self, h: FakeGpu) -> str:
+        return h.uuid
+
+    def nvmlDeviceGetName(self, h: FakeGpu) -> bytes:
+        return h.name.encode()  # old pynvml versions return bytes
+
+    def nvmlDeviceGetMemoryInfo(self, h: FakeGpu) -> _Mem:
+        return _Mem(total=h.memory_bytes, free=h.memory_bytes, used=0)
+
+    def nvmlDeviceGetCudaComputeCapability(self, h: FakeGpu) -> tuple[int, int]:
+        return h.cc
+
+    def nvmlDeviceGetAttributes(self, h: FakeGpu) -> _Attrs:
+        if h.sm_attr is None:
+            raise err(NOT_SUPPORTED)
+        return _Attrs(h.sm_attr)
+
+    def nvmlDeviceGetNumGpuCores(self, h: FakeGpu) -> int:
+        if h.cores is None:
+            raise err(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return h.cores
+
+    def nvmlDeviceGetPciInfo(self, h: FakeGpu) -> _Pci:
+        return _Pci(h.bus_id.encode())
+
+    def nvmlDeviceGetNumaNodeId(self, h: FakeGpu) -> int:
+        if h.numa is None:
+            raise err(NOT_SUPPORTED)
+        return h.numa
+
+    def nvmlDeviceGetCpuAffinity(self, h: FakeGpu, words: int) -> list[int]:
+        return (h.cpu_mask + [0] * words)[:words]
+
+    # topology
+    def nvmlDeviceGetNvLinkState(self, h: FakeGpu, link: int) -> int:
+        if not h.links or not self.link_api:
+            raise err(NOT_SUPPORTED)
+        if link >= len(h.links):
+            raise err(_real.NVML_ERROR_INVALID_ARGUMENT)
+        return self.NVML_FEATURE_ENABLED if h.links[link][0] else self.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h: FakeGpu, link: int) -> _Pci:
+        remote = h.links[link][1]
+        return _Pci(b"00000000:F0:00.0" if remote == "switch" else remote.encode())
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h: FakeGpu, link: int) -> int:
+        if h.links[link][1] == "switch":
+            return self.NVML_NVLINK_DEVICE_TYPE_SWITCH
+        return self.NVML_NVLINK_DEVICE_TYPE_GPU
+
+    def nvmlDeviceGetP2PStatus(self, a: FakeGpu, b: FakeGpu, cap: int) -> int:
+        if not self.p2p:
+            raise err(NOT_SUPPORTED)
+        linked = any(r == b.bus_id for active, r in a.links if active)
+        return self.NVML_P2P_STATUS_OK if linked else 2
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a: FakeGpu, b: FakeGpu) -> int:
+        if a.switch_group == b.switch_group:
+            return self.NVML_TOPOLOGY_SINGLE
+        if a.host_group == b.host_group:
+            return self.NVML_TOPOLOGY_NODE
+        return self.NVML_TOPOLOGY_SYSTEM
+
+    # health
+    def _alive(self, h: FakeGpu) -> None:
+        if h.lost:
+            raise err(_real.NVML_ERROR_GPU_IS_LOST)
+
+    def nvmlDeviceGetTemperature(self, h: FakeGpu, sensor: int) -> float:
+        self._alive(h)
+        if h.temperature is None:
+            raise err(NOT_SUPPORTED)
+        return h.temperature
+
+    def nvmlDeviceGetPowerUsage(self, h: FakeGpu) -> int:
+        self._alive(h)
+        if h.power_mw is None:
+            raise err(NOT_SUPPORTED)
+        return h.power_mw
+
+    def nvmlDeviceGetTotalEccErrors(self, h: FakeGpu, error_type: int, counter_type: int) -> int:
+        self._alive(h)
+        assert error_type == self.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        assert counter_type == self.NVML_VOLATILE_ECC
+        if h.ecc is None:
+            raise err(NOT_SUPPORTED)
+        return h.ecc
+
+    # events
+    def nvmlEventSetCreate(self) -> str:
+        return "event-set"
+
+    def nvmlDeviceRegisterEvents(self, h: FakeGpu, types: int, event_set: str) -> None:
+        assert types & self.nvmlEventTypeXidCriticalError
+        self.registered.add(h.index)
+
+    def nvmlEventSetWait(self, event_set: str, timeout_ms: int) -> _Event:
+        assert timeout_ms == 0, "the backend must never block on events"
+        if not self.events:
+            raise err(_real.NVML_ERROR_TIMEOUT)
+        return self.events.pop(0)
+
+    def nvmlEventSetFree(self, event_set: str) -> None:
+        self.event_sets_freed += 1
+
+    def inject_xid(self, index: int, xid: int) -> None:
+        self.events.append(_Event(self.gpus[index], self.nvmlEventTypeXidCriticalError, xid))
+
+
+def two_island_box() -> list[FakeGpu]:
+    """8 H100s: NVLink islands {0-3} and {4-7} (two links between each pair of an island, one
+    inactive link on GPU 0), PCIe switches {0,1} {2,3} {4,5} {6,7}, NUMA 0 for 0-3 and 1 for 4-7
+    (GPU 7's NUMA id is NotSupported: found through its CPU affinity), GPU 5 reports no power."""
+    gpus = [
+        FakeGpu(
+            index=i,
+            numa=(0 if i < 4 else 1) if i != 7 else None,
+            cpu_mask=[0xF if i < 4 else 0xF0],
+            switch_group=i // 2,
+            host_group=i // 4,
+            power_mw=None if i == 5 else 90_000 + i,
+        )
+        for i in range(8)
+    ]
+    for g in gpus:
+        island = range(0, 4) if g.index < 4 else range(4, 8)
+        for peer in island:
+            if peer != g.index:
+                g.links += [(True, gpus[peer].bus_id), (True, gpus[peer].bus_id)]
+    gpus[0].links.append((False, "00000000:99:00.0"))
+    return gpus
+
+
+def nvswitch_box(n: int = 4) -> list[FakeGpu]:
+    """``n`` GPUs whose links all end on NVSwitches (one all-to-all fabric)."""
+    return [FakeGpu(index=i, links=[(True, "switch")] * 4, switch_group=i, host_group=0) for i in range(n)]
