@@ -32,6 +32,13 @@ class SchedulerConfig:
         balloon_grace_s: time to ack a balloon directive before the coordinator preempts instead.
         allow_preemption: False turns preemption off (jobs only queue).
         max_decisions: bound on grants + preemptions per cycle, to keep cycles short.
+        las_threshold_gpu_s: optional least-attained-service queues (Tiresias-like): ascending
+            thresholds on ``JobView.attained_gpu_s``; within one priority level, jobs in a lower queue
+            (less service received) go first. Empty (the default) turns it off.
+        reserve_after_s: a pending job that cannot be placed and has waited this long gets GPUs
+            reserved for it: lower jobs may only backfill on other GPUs.
+        max_reservations: at most this many blocked jobs hold reservations in one cycle.
+        resize_up: grow granted elastic jobs toward ``max_gpus`` when nothing is pending.
     """
 
     overcommit_ratio: float = 1.0
@@ -43,6 +50,10 @@ class SchedulerConfig:
     balloon_grace_s: float = 30.0
     allow_preemption: bool = True
     max_decisions: int = 256
+    las_threshold_gpu_s: tuple[float, ...] = ()
+    reserve_after_s: float = 600.0
+    max_reservations: int = 2
+    resize_up: bool = True
 
     def __post_init__(self) -> None:
         if self.overcommit_ratio < 1.0:
@@ -54,6 +65,16 @@ class SchedulerConfig:
                 raise ConfigError(name, f"must be >= 0 seconds, got {getattr(self, name)}")
         if self.max_decisions < 1:
             raise ConfigError("max_decisions", f"must be >= 1, got {self.max_decisions}")
+        if self.reserve_after_s < 0:
+            raise ConfigError("reserve_after_s", f"must be >= 0 seconds, got {self.reserve_after_s}")
+        if self.max_reservations < 0:
+            raise ConfigError("max_reservations", f"must be >= 0, got {self.max_reservations}")
+        thresholds = tuple(float(t) for t in self.las_threshold_gpu_s)
+        if any(t <= 0 for t in thresholds) or list(thresholds) != sorted(set(thresholds)):
+            raise ConfigError(
+                "las_threshold_gpu_s", f"must be strictly ascending positive GPU-seconds, got {self.las_threshold_gpu_s}"
+            )
+        object.__setattr__(self, "las_threshold_gpu_s", thresholds)
 
 
 @dataclass(frozen=True)
@@ -205,7 +226,16 @@ class Revoke:
     reason: str
 
 
-Decision = Grant | Queue | Reject | Preempt | Resize | Balloon | Deflate | Release | Revoke
+@dataclass(frozen=True)
+class Shrink:
+    """``job`` acknowledged a balloon: its per-slice quota is now ``memory_bytes`` (rewrite its allocations)."""
+
+    job: str
+    memory_bytes: int
+    reason: str = ""
+
+
+Decision = Grant | Queue | Reject | Preempt | Resize | Balloon | Deflate | Release | Revoke | Shrink
 
 
 @dataclass(frozen=True)

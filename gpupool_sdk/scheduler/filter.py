@@ -1,0 +1,240 @@
+"""Filter stage: may this GPU take this slice?
+
+Two kinds of checks, both pure:
+
+* static ones that do not depend on what is running (:func:`unschedulable_reason`,
+  :func:`matches_static`): health, cordon, drain, features, model;
+* capacity by QoS class (:func:`fits`) against a :class:`GpuLoad`, the per-GPU accounting the
+  ledger keeps.
+
+Capacity rules (see ``docs/scheduler.md``):
+
+* ``exclusive`` needs a GPU with no allocation at all, and holds all of its memory and compute.
+* ``guaranteed`` needs ``reserved + shared_quota + memory <= physical`` and
+  ``compute + share <= 1.0``, on a GPU nobody holds exclusively. Shared quotas count in full
+  (a guaranteed reservation is never overcommitted), which is why shared jobs are ballooned
+  down to their predicted peak before a guaranteed job takes their room.
+* ``shared`` needs ``shared_quota + memory + reserved <= overcommit_ratio * physical`` and
+  ``shared_peak + predicted_peak + reserved <= physical``. Shared slices reserve no compute
+  (they are best effort, time-sliced).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from gpupool_sdk.resources import GpuInfo, QoS
+from gpupool_sdk.resources.units import format_size
+from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
+
+#: tolerance on sums of compute shares (floats added and removed over many cycles).
+COMPUTE_EPS = 1e-9
+
+
+@dataclass(slots=True)
+class GpuLoad:
+    """What is committed on one GPU (mutable, owned by the ledger).
+
+    Attributes:
+        phys: physical memory of the GPU.
+        reserved: memory reserved by guaranteed slices, plus all of it when held exclusively.
+        compute: compute share reserved by guaranteed and exclusive slices.
+        shared_quota: sum of the memory quotas of shared slices.
+        shared_peak: sum of the predicted peaks of shared slices.
+        exclusive: number of exclusive slices (0 or 1 unless the input was already broken).
+        slices: number of slices of any class.
+    """
+
+    phys: int
+    reserved: int = 0
+    compute: float = 0.0
+    shared_quota: int = 0
+    shared_peak: int = 0
+    exclusive: int = 0
+    slices: int = 0
+
+    @property
+    def free_guaranteed(self) -> int:
+        """Memory a guaranteed slice could still reserve (ignoring compute)."""
+        if self.exclusive:
+            return 0
+        return self.phys - self.reserved - self.shared_quota
+
+    def shared_headroom(self, ratio: float) -> float:
+        """Quota a shared slice could still be given under the overcommit ratio (ignoring peaks)."""
+        if self.exclusive:
+            return 0.0
+        return ratio * self.phys - self.reserved - self.shared_quota
+
+    def add(self, qos: QoS, memory: int, compute: float, peak: int) -> None:
+        """Commit one slice."""
+        self.slices += 1
+        if qos is QoS.EXCLUSIVE:
+            self.exclusive += 1
+            self.reserved += self.phys
+            self.compute += 1.0
+        elif qos is QoS.GUARANTEED:
+            self.reserved += memory
+            self.compute += compute
+        else:
+            self.shared_quota += memory
+            self.shared_peak += peak
+
+    def remove(self, qos: QoS, memory: int, compute: float, peak: int) -> None:
+        """Undo :meth:`add` with the same arguments."""
+        self.slices -= 1
+        if qos is QoS.EXCLUSIVE:
+            self.exclusive -= 1
+            self.reserved -= self.phys
+            self.compute -= 1.0
+        elif qos is QoS.GUARANTEED:
+            self.reserved -= memory
+            self.compute -= compute
+        else:
+            self.shared_quota -= memory
+            self.shared_peak -= peak
+        if self.slices == 0:
+            # Reset exactly so float drift never accumulates on an idle GPU.
+            self.compute = 0.0
+
+
+@dataclass(frozen=True)
+class SliceRequest:
+    """What one pending job needs, per slice and in all (derived from its spec).
+
+    Attributes:
+        job: the job name.
+        qos: its class.
+        memory: quota per slice (for ``exclusive``, the minimum physical memory; 0 = any GPU).
+        compute: compute share per slice.
+        peak: predicted per-slice peak (shared only; equals ``memory`` otherwise).
+        features: features every GPU must offer.
+        gpu_model: required model, or None.
+        count: slices wanted.
+        min_count: fewest slices it accepts (elastic jobs), else ``count``.
+        topology: ``pack``, ``spread`` or ``any``.
+        anti_affinity: group whose live members' nodes it must avoid.
+    """
+
+    job: str
+    qos: QoS
+    memory: int
+    compute: float
+    peak: int
+    features: tuple[str, ...] = ()
+    gpu_model: str | None = None
+    count: int = 1
+    min_count: int = 1
+    topology: str = "pack"
+    anti_affinity: str | None = None
+
+    @property
+    def shape(self) -> tuple[object, ...]:
+        """Everything placement depends on except the job's name (for caching failures)."""
+        return (
+            self.qos,
+            self.memory,
+            self.compute,
+            self.peak,
+            self.features,
+            self.gpu_model,
+            self.count,
+            self.min_count,
+            self.topology,
+            self.anti_affinity,
+        )
+
+
+def predicted_peak(view: JobView, quota: int, config: SchedulerConfig) -> int:
+    """Predicted per-slice peak of a shared job: its observed peak plus the margin, capped at its quota.
+
+    Unknown peaks are predicted as the whole quota (no overcommit gain, no risk).
+    """
+    if view.memory_peak_bytes is None or view.memory_peak_bytes <= 0:
+        return quota
+    return min(quota, int(view.memory_peak_bytes * (1.0 + config.peak_margin)))
+
+
+def request_for(view: JobView, config: SchedulerConfig, count: int | None = None) -> SliceRequest:
+    """Build the :class:`SliceRequest` of a job (``count`` overrides the spec's slice count)."""
+    spec = view.spec
+    qos = spec.qos_class
+    memory = spec.memory_bytes
+    peak = predicted_peak(view, memory, config) if qos is QoS.SHARED else memory
+    want = spec.gpus if count is None else count
+    return SliceRequest(
+        job=spec.name,
+        qos=qos,
+        memory=memory,
+        compute=1.0 if qos is QoS.EXCLUSIVE else spec.compute_share,
+        peak=peak,
+        features=tuple(spec.features),
+        gpu_model=spec.gpu_model,
+        count=want,
+        min_count=min(spec.min_gpus or want, want),
+        topology=spec.topology_wish.value,
+        anti_affinity=spec.anti_affinity,
+    )
+
+
+def unschedulable_reason(gpu: GpuInfo, cordoned: Collection[str], draining: Collection[str]) -> str | None:
+    """Why no new slice may go on ``gpu`` (unhealthy, cordoned, node draining), or None."""
+    if not gpu.health.healthy:
+        why = "; ".join(gpu.health.reasons) or "unhealthy"
+        return f"GPU {gpu.uuid} unhealthy ({why})"
+    if gpu.node in draining:
+        return f"node {gpu.node} is draining"
+    if gpu.uuid in cordoned:
+        return f"GPU {gpu.uuid} is cordoned"
+    return None
+
+
+def matches_static(gpu: GpuInfo, features: Collection[str], gpu_model: str | None) -> bool:
+    """True when ``gpu`` offers every required feature and is the required model (if any)."""
+    if gpu_model is not None and gpu.model.lower() != gpu_model.lower():
+        return False
+    return all(f in gpu.features for f in features)
+
+
+def fits(load: GpuLoad, req: SliceRequest, ratio: float) -> bool:
+    """Capacity check of one slice of ``req`` on a GPU with ``load`` (see the module docstring)."""
+    if req.qos is QoS.EXCLUSIVE:
+        return load.slices == 0 and load.phys >= req.memory
+    if load.exclusive:
+        return False
+    if req.qos is QoS.GUARANTEED:
+        return (
+            load.reserved + load.shared_quota + req.memory <= load.phys
+            and load.compute + req.compute <= 1.0 + COMPUTE_EPS
+        )
+    return (
+        load.shared_quota + req.memory + load.reserved <= ratio * load.phys
+        and load.shared_peak + req.peak + load.reserved <= load.phys
+    )
+
+
+def unfit_reason(load: GpuLoad, req: SliceRequest, ratio: float) -> str | None:
+    """Why one slice of ``req`` does not fit on a GPU with ``load``, or None when it fits."""
+    if req.qos is QoS.EXCLUSIVE:
+        if load.phys < req.memory:
+            return f"needs {format_size(req.memory)}, GPU has {format_size(load.phys)}"
+        if load.slices:
+            return "exclusive needs an idle GPU"
+        return None
+    if load.exclusive:
+        return "held exclusively"
+    if req.qos is QoS.GUARANTEED:
+        free = load.phys - load.reserved - load.shared_quota
+        if req.memory > free:
+            return f"{format_size(max(free, 0))} free, needs {format_size(req.memory)}"
+        if load.compute + req.compute > 1.0 + COMPUTE_EPS:
+            return f"compute {1.0 - load.compute:.2f} free, needs {req.compute:.2f}"
+        return None
+    head = ratio * load.phys - load.reserved - load.shared_quota
+    if req.memory > head:
+        return f"{format_size(max(head, 0))} shared quota left (ratio {ratio:g}), needs {format_size(req.memory)}"
+    peak_room = load.phys - load.reserved - load.shared_peak
+    if req.peak > peak_room:
+        return f"predicted peaks leave {format_size(max(peak_room, 0))}, needs {format_size(req.peak)}"
+    return None

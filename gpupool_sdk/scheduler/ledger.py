@@ -1,0 +1,288 @@
+"""The tentative capacity ledger of one scheduling cycle (reserve / un-reserve).
+
+Built once per cycle from the snapshot's allocations, then mutated as the cycle grants,
+releases and simulates preemptions. Every mutation is undoable (:meth:`Ledger.unreserve`
+returns the holdings that :meth:`Ledger.restore` puts back), which is how the preempt stage
+tries victim sets and how a gang that cannot be completed is rolled back.
+
+Indexes kept up to date on every change, so that placement never scans the whole pool per job:
+
+* GPUs are grouped in *classes* of identical static properties (model, features, memory); a job
+  resolves which classes match once.
+* Per class, three sorted lists of ``(key, gpu)``: idle GPUs by physical memory, partly used
+  GPUs by free guaranteed memory, and partly used GPUs by shared headroom. Best fit is a
+  bisection followed by a short forward scan.
+* Per anti-affinity group, the nodes its live members occupy.
+* GPUs reserved for a blocked job (backfill only elsewhere).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from gpupool_sdk.resources import GpuInfo, QoS
+from gpupool_sdk.scheduler.filter import GpuLoad, SliceRequest, fits, matches_static
+
+_ClassKey = tuple[str, tuple[str, ...], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """One slice held by a job, as the ledger accounts it (``gpu`` is the ledger's GPU index)."""
+
+    gpu: int
+    qos: QoS
+    memory: int
+    compute: float
+    peak: int
+
+
+class _ClassIndex:
+    __slots__ = ("features", "model", "phys", "empty", "part_g", "part_s")
+
+    def __init__(self, model: str, features: tuple[str, ...], phys: int) -> None:
+        self.model = model
+        self.features = features
+        self.phys = phys
+        self.empty: list[tuple[float, int]] = []
+        self.part_g: list[tuple[float, int]] = []
+        self.part_s: list[tuple[float, int]] = []
+
+
+class Ledger:
+    """Per-GPU committed capacity plus the indexes placement needs.
+
+    Args:
+        gpus: every GPU of the snapshot (any order; the ledger sorts by node, index, UUID).
+        schedulable: UUIDs that may take new slices (healthy, not cordoned, node not draining).
+        overcommit_ratio: the shared-class overcommit ratio.
+    """
+
+    def __init__(self, gpus: Iterable[GpuInfo], schedulable: Iterable[str], overcommit_ratio: float) -> None:
+        self.gpus: list[GpuInfo] = sorted(gpus, key=lambda g: (g.node, g.index, g.uuid))
+        self.index_of: dict[str, int] = {g.uuid: i for i, g in enumerate(self.gpus)}
+        self.ratio = overcommit_ratio
+        self.loads: list[GpuLoad] = [GpuLoad(phys=g.memory_bytes) for g in self.gpus]
+        ok = set(schedulable)
+        self.schedulable: list[bool] = [g.uuid in ok for g in self.gpus]
+        self.nodes: list[str] = [g.node for g in self.gpus]
+        self.islands: list[int | None] = [g.nvlink_island for g in self.gpus]
+        self.holdings: dict[str, list[Holding]] = {}
+        self.groups: dict[str, Counter[str]] = {}
+        self.group_of: dict[str, str] = {}
+        self.blocked: dict[int, str] = {}
+        #: bumped whenever capacity is freed; a failed placement stays failed while it is unchanged.
+        self.frees = 0
+        self._classes: dict[_ClassKey, _ClassIndex] = {}
+        self._class_of: list[_ClassIndex | None] = []
+        self._key_empty: list[tuple[float, int] | None] = [None] * len(self.gpus)
+        self._key_g: list[tuple[float, int] | None] = [None] * len(self.gpus)
+        self._key_s: list[tuple[float, int] | None] = [None] * len(self.gpus)
+        self._match_cache: dict[tuple[tuple[str, ...], str | None], list[_ClassIndex]] = {}
+        for i, g in enumerate(self.gpus):
+            if not self.schedulable[i]:
+                self._class_of.append(None)
+                continue
+            key = (g.model, tuple(sorted(g.features)), g.memory_bytes)
+            cls = self._classes.get(key)
+            if cls is None:
+                cls = self._classes[key] = _ClassIndex(g.model, key[1], g.memory_bytes)
+            self._class_of.append(cls)
+            k = (float(g.memory_bytes), i)
+            cls.empty.append(k)
+            self._key_empty[i] = k
+        for cls in self._classes.values():
+            cls.empty.sort()
+
+    # ------------------------------------------------------------------ accounting
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+    def reserve(self, job: str, holdings: Sequence[Holding], group: str | None = None) -> None:
+        """Commit ``holdings`` for ``job`` (adds to what it already holds)."""
+        if not holdings:
+            return
+        held = self.holdings.setdefault(job, [])
+        for h in holdings:
+            held.append(h)
+            self.loads[h.gpu].add(h.qos, h.memory, h.compute, h.peak)
+            self._reindex(h.gpu)
+        if group is not None:
+            self.group_of[job] = group
+        group = self.group_of.get(job)
+        if group is not None:
+            counter = self.groups.setdefault(group, Counter())
+            for h in holdings:
+                counter[self.nodes[h.gpu]] += 1
+
+    def unreserve(self, job: str) -> list[Holding]:
+        """Free everything ``job`` holds; returns the holdings (give them to :meth:`restore` to undo)."""
+        held = self.holdings.pop(job, [])
+        for h in held:
+            self.loads[h.gpu].remove(h.qos, h.memory, h.compute, h.peak)
+            self._reindex(h.gpu)
+        group = self.group_of.get(job)
+        if group is not None and held:
+            counter = self.groups[group]
+            for h in held:
+                counter[self.nodes[h.gpu]] -= 1
+                if counter[self.nodes[h.gpu]] <= 0:
+                    del counter[self.nodes[h.gpu]]
+        if held:
+            self.frees += 1
+        return held
+
+    def restore(self, job: str, holdings: Sequence[Holding]) -> None:
+        """Undo :meth:`unreserve` (same holdings, same order)."""
+        self.reserve(job, holdings)
+
+    def set_quota(self, job: str, memory: int, peak: int) -> list[Holding]:
+        """Change the per-slice quota (and predicted peak) of a job's shared slices; returns the old holdings."""
+        old = self.unreserve(job)
+        new = [
+            Holding(h.gpu, h.qos, memory, h.compute, min(peak, memory)) if h.qos is QoS.SHARED else h for h in old
+        ]
+        self.reserve(job, new)
+        return old
+
+    def replace(self, job: str, holdings: Sequence[Holding]) -> None:
+        """Set ``job``'s holdings to exactly ``holdings`` (used to undo :meth:`set_quota`)."""
+        self.unreserve(job)
+        self.reserve(job, holdings)
+
+    def class_of(self, gpu: int) -> object | None:
+        """The class index of a schedulable GPU (identity only matters), or None when unschedulable."""
+        return self._class_of[gpu]
+
+    def holders(self, gpu: int) -> list[str]:
+        """Jobs holding a slice of GPU ``gpu`` (sorted)."""
+        return sorted(job for job, held in self.holdings.items() if any(h.gpu == gpu for h in held))
+
+    # ------------------------------------------------------------------ reservations for blocked jobs
+
+    def block(self, gpus: Iterable[int], for_job: str) -> None:
+        """Reserve GPUs for a blocked job: no other job is placed on them this cycle."""
+        for i in gpus:
+            self.blocked.setdefault(i, for_job)
+
+    # ------------------------------------------------------------------ candidate search
+
+    def matching_classes(self, features: tuple[str, ...], gpu_model: str | None) -> list[_ClassIndex]:
+        """The GPU classes whose static properties satisfy ``features`` and ``gpu_model``."""
+        key = (features, gpu_model)
+        found = self._match_cache.get(key)
+        if found is None:
+            found = [
+                cls
+                for cls in self._classes.values()
+                if (gpu_model is None or cls.model.lower() == gpu_model.lower())
+                and all(f in cls.features for f in features)
+            ]
+            self._match_cache[key] = found
+        return found
+
+    def matching_count(self, req: SliceRequest) -> int:
+        """How many schedulable GPUs match ``req`` statically (ignoring capacity)."""
+        return sum(
+            1
+            for i, g in enumerate(self.gpus)
+            if self.schedulable[i] and matches_static(g, req.features, req.gpu_model)
+        )
+
+    def candidates(self, req: SliceRequest, avoid_nodes: Iterable[str] = ()) -> Iterator[int]:
+        """GPUs that can take one slice of ``req`` now, best fit first.
+
+        Order: partly used GPUs by least leftover (memory for guaranteed, quota headroom for
+        shared), then idle GPUs by smallest memory, ties by node and index. Exclusive jobs only
+        see idle GPUs, so whole GPUs stay whole for them. GPUs reserved for another job and nodes
+        of the job's anti-affinity group (and ``avoid_nodes``) are skipped.
+        """
+        classes = self.matching_classes(req.features, req.gpu_model)
+        if not classes:
+            return
+        avoid = set(avoid_nodes)
+        if req.anti_affinity is not None:
+            avoid.update(n for n, c in self.groups.get(req.anti_affinity, {}).items() if c > 0)
+        blocked = self.blocked
+        loads = self.loads
+        nodes = self.nodes
+        ratio = self.ratio
+        job = req.job
+        if req.qos is QoS.EXCLUSIVE:
+            partial_lists: list[list[tuple[float, int]]] = []
+            need_part = 0.0
+            need_empty = float(req.memory)
+        elif req.qos is QoS.GUARANTEED:
+            partial_lists = [c.part_g for c in classes]
+            need_part = float(req.memory)
+            need_empty = float(req.memory)
+        else:
+            partial_lists = [c.part_s for c in classes]
+            need_part = float(req.memory)
+            need_empty = max(req.memory / ratio, float(req.peak))
+        for stream in (
+            _merged(partial_lists, need_part),
+            _merged([c.empty for c in classes], need_empty),
+        ):
+            for _key, i in stream:
+                holder = blocked.get(i)
+                if holder is not None and holder != job:
+                    continue
+                if avoid and nodes[i] in avoid:
+                    continue
+                if fits(loads[i], req, ratio):
+                    yield i
+
+    # ------------------------------------------------------------------ index maintenance
+
+    def _reindex(self, i: int) -> None:
+        cls = self._class_of[i]
+        if cls is None:
+            return
+        load = self.loads[i]
+        old = self._key_empty[i]
+        if old is not None:
+            _remove(cls.empty, old)
+            self._key_empty[i] = None
+        old = self._key_g[i]
+        if old is not None:
+            _remove(cls.part_g, old)
+            self._key_g[i] = None
+        old = self._key_s[i]
+        if old is not None:
+            _remove(cls.part_s, old)
+            self._key_s[i] = None
+        if load.slices == 0:
+            k = (float(load.phys), i)
+            bisect.insort(cls.empty, k)
+            self._key_empty[i] = k
+        elif not load.exclusive:
+            kg = (float(load.free_guaranteed), i)
+            bisect.insort(cls.part_g, kg)
+            self._key_g[i] = kg
+            ks = (float(load.shared_headroom(self.ratio)), i)
+            bisect.insort(cls.part_s, ks)
+            self._key_s[i] = ks
+
+
+def _remove(lst: list[tuple[float, int]], key: tuple[float, int]) -> None:
+    j = bisect.bisect_left(lst, key)
+    if j < len(lst) and lst[j] == key:
+        del lst[j]
+
+
+def _tail(lst: list[tuple[float, int]], need: float) -> Iterator[tuple[float, int]]:
+    start = bisect.bisect_left(lst, (need, -1))
+    for j in range(start, len(lst)):
+        yield lst[j]
+
+
+def _merged(lists: list[list[tuple[float, int]]], need: float) -> Iterator[tuple[float, int]]:
+    if len(lists) == 1:
+        return _tail(lists[0], need)
+    return heapq.merge(*(_tail(lst, need) for lst in lists))

@@ -1,0 +1,60 @@
+"""Queue ordering and anti-starvation.
+
+Pending jobs are considered in this order:
+
+1. jobs that waited at least ``max_wait_s`` (starved), longest wait first;
+2. higher *effective priority* first: ``priority + waited_s / aging_s_per_priority``;
+3. with ``las_threshold_gpu_s`` set (Tiresias-like least attained service), the priority
+   level is the integer part of the effective priority and, within a level, jobs in a lower
+   attained-service queue go first;
+4. FIFO by ``JobView.order``, then by name.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+
+from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
+
+
+def waited_s(view: JobView, now: float) -> float:
+    """Seconds ``view`` has been waiting (never negative)."""
+    return max(0.0, now - view.queued_at)
+
+
+def effective_priority(view: JobView, now: float, config: SchedulerConfig) -> float:
+    """``priority + waited / aging_s_per_priority`` (no aging when the knob is 0)."""
+    prio = float(view.spec.priority)
+    if config.aging_s_per_priority > 0:
+        prio += waited_s(view, now) / config.aging_s_per_priority
+    return prio
+
+
+def is_starved(view: JobView, now: float, config: SchedulerConfig) -> bool:
+    """True when the job waited at least ``max_wait_s`` (it goes ahead of everyone)."""
+    return config.max_wait_s > 0 and waited_s(view, now) >= config.max_wait_s
+
+
+def las_queue(view: JobView, config: SchedulerConfig) -> int:
+    """Index of the least-attained-service queue of ``view`` (0 when LAS is off)."""
+    if not config.las_threshold_gpu_s:
+        return 0
+    return bisect.bisect_right(config.las_threshold_gpu_s, view.attained_gpu_s)
+
+
+def sort_key(view: JobView, now: float, config: SchedulerConfig) -> tuple[float, float, int, float, int, str]:
+    """The key :func:`order_pending` sorts by (smaller goes first)."""
+    waited = waited_s(view, now)
+    starved = is_starved(view, now, config)
+    prio = effective_priority(view, now, config)
+    if config.las_threshold_gpu_s:
+        level = float(math.floor(prio))
+        return (0.0 if starved else 1.0, -waited if starved else -level, las_queue(view, config), -prio, view.order, view.name)
+    return (0.0 if starved else 1.0, -waited if starved else -prio, 0, 0.0, view.order, view.name)
+
+
+def order_pending(views: Iterable[JobView], now: float, config: SchedulerConfig) -> list[JobView]:
+    """Pending jobs in the order the scheduler considers them."""
+    return sorted(views, key=lambda v: sort_key(v, now, config))

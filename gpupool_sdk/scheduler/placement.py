@@ -1,0 +1,104 @@
+"""Score / placement stage: which GPUs a job gets.
+
+The ledger yields the GPUs that can take one slice in best-fit order (partly used first, least
+leftover first, idle GPUs last and smallest first). Placement walks that order once and applies
+the job's topology wish:
+
+* one slice: the first candidate (best fit);
+* ``pack``: the first NVLink island to collect enough candidates, else the first node to do so,
+  else the fewest nodes (nodes with the most candidates first);
+* ``spread``: the first candidate of each node, until enough distinct nodes;
+* ``any``: the first candidates in best-fit order.
+
+Slices of one gang always land on distinct GPUs. Elastic jobs (``min_count < count``) accept
+fewer slices, down to ``min_count``, when the full count does not fit. Placement never mutates
+the ledger: the caller reserves the result (all or nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpupool_sdk.resources import QoS
+from gpupool_sdk.scheduler.filter import SliceRequest
+from gpupool_sdk.scheduler.ledger import Holding, Ledger
+
+
+def place(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str] = ()) -> list[int] | None:
+    """Choose GPUs for ``req``; returns ledger GPU indices (``min_count`` to ``count`` of them) or None."""
+    cands = ledger.candidates(req, avoid_nodes)
+    count = req.count
+    if count == 1:
+        return _first(cands)
+    if req.topology == "spread":
+        return _spread(ledger, cands, count, req.min_count)
+    if req.topology == "any":
+        chosen = []
+        for i in cands:
+            chosen.append(i)
+            if len(chosen) == count:
+                return chosen
+        return chosen if len(chosen) >= req.min_count else None
+    return _pack(ledger, cands, count, req.min_count)
+
+
+def _first(cands: Iterable[int]) -> list[int] | None:
+    for i in cands:
+        return [i]
+    return None
+
+
+def _spread(ledger: Ledger, cands: Iterable[int], count: int, min_count: int) -> list[int] | None:
+    seen: set[str] = set()
+    chosen: list[int] = []
+    nodes = ledger.nodes
+    for i in cands:
+        node = nodes[i]
+        if node in seen:
+            continue
+        seen.add(node)
+        chosen.append(i)
+        if len(chosen) == count:
+            return chosen
+    return chosen if len(chosen) >= min_count else None
+
+
+def _pack(ledger: Ledger, cands: Iterable[int], count: int, min_count: int) -> list[int] | None:
+    nodes = ledger.nodes
+    islands = ledger.islands
+    by_island: dict[tuple[str, int], list[int]] = {}
+    by_node: dict[str, list[int]] = {}
+    first_full_node: str | None = None
+    for i in cands:
+        node = nodes[i]
+        island = islands[i]
+        if island is not None:
+            members = by_island.setdefault((node, island), [])
+            members.append(i)
+            if len(members) == count:
+                return members
+        on_node = by_node.setdefault(node, [])
+        on_node.append(i)
+        if first_full_node is None and len(on_node) == count:
+            first_full_node = node
+    if first_full_node is not None:
+        return by_node[first_full_node][:count]
+    # Fewest nodes: nodes with the most candidates first (ties in best-fit order of first sight).
+    ranked = sorted(by_node.values(), key=lambda lst: -len(lst))
+    chosen: list[int] = []
+    for lst in ranked:
+        chosen.extend(lst[: count - len(chosen)])
+        if len(chosen) == count:
+            return chosen
+    return chosen if len(chosen) >= min_count else None
+
+
+def holdings_for(ledger: Ledger, req: SliceRequest, gpus: Iterable[int]) -> list[Holding]:
+    """The holdings a grant of ``req`` on ``gpus`` commits (exclusive slices take the whole GPU)."""
+    out = []
+    for i in gpus:
+        if req.qos is QoS.EXCLUSIVE:
+            out.append(Holding(i, QoS.EXCLUSIVE, ledger.loads[i].phys, 1.0, ledger.loads[i].phys))
+        else:
+            out.append(Holding(i, req.qos, req.memory, req.compute, req.peak))
+    return out

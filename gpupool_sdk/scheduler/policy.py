@@ -1,0 +1,425 @@
+"""The scheduler: one pure cycle from a :class:`ClusterSnapshot` to a list of decisions.
+
+Stages, in the manner of the Kubernetes scheduling framework (one cycle at a time, a tentative
+capacity ledger with reserve / un-reserve):
+
+1. ledger: committed capacity from every allocation in the snapshot (:mod:`.ledger`);
+2. protocol: acks and missed deadlines -> Release / Revoke / Shrink / Preempt (:mod:`.protocol`);
+3. health / drain: jobs on unhealthy GPUs or draining nodes -> Preempt (:mod:`.health`);
+4. reject: specs no GPU of the pool could ever satisfy -> Reject (:mod:`.reject`);
+5. ordering: pending jobs by starvation, effective priority, LAS queue, FIFO (:mod:`.ordering`);
+6. per pending job: filter + score (:mod:`.filter`, :mod:`.placement`) -> reserve -> Grant;
+   else wait for capacity already being freed, else Balloon, else Preempt (:mod:`.preempt`),
+   else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
+7. when nothing is left waiting: Deflate ballooned jobs, Resize elastic jobs up.
+
+Every pending job gets exactly one Grant, Queue or Reject per cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from gpupool_sdk.resources import DirectiveKind, JobState, QoS
+from gpupool_sdk.resources.units import format_size
+from gpupool_sdk.scheduler.filter import SliceRequest, predicted_peak, request_for, unschedulable_reason
+from gpupool_sdk.scheduler.health import health_preemptions
+from gpupool_sdk.scheduler.ledger import Holding, Ledger
+from gpupool_sdk.scheduler.ordering import effective_priority, order_pending, waited_s
+from gpupool_sdk.scheduler.placement import holdings_for, place
+from gpupool_sdk.scheduler.preempt import (
+    balloon_targets,
+    eligible_victims,
+    plan_balloon,
+    plan_from_freeing,
+    plan_preemption,
+)
+from gpupool_sdk.scheduler.protocol import freeing_for, handle_protocol, preempt_deadline
+from gpupool_sdk.scheduler.reject import reject_reason, summarize
+from gpupool_sdk.scheduler.types import (
+    Balloon,
+    ClusterSnapshot,
+    Decision,
+    Deflate,
+    Grant,
+    JobView,
+    Preempt,
+    Queue,
+    Reject,
+    Resize,
+    SchedulerConfig,
+    ScheduleResult,
+    SliceGrant,
+)
+
+
+def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig) -> Ledger:
+    """The ledger of ``snapshot``: every GPU, which may take new slices, and every allocation held."""
+    schedulable = [
+        g.uuid
+        for g in snapshot.gpus.values()
+        if unschedulable_reason(g, snapshot.cordoned, snapshot.draining) is None
+    ]
+    ledger = Ledger(snapshot.gpus.values(), schedulable, config.overcommit_ratio)
+    for name in sorted(snapshot.jobs):
+        view = snapshot.jobs[name]
+        if not view.allocations:
+            continue
+        held = []
+        for a in view.allocations:
+            i = ledger.index_of.get(a.gpu_uuid)
+            if i is None:
+                continue  # GPU no longer published: nothing left to account on it
+            peak = predicted_peak(view, a.memory_bytes, config) if a.mode is QoS.SHARED else a.memory_bytes
+            held.append(Holding(i, a.mode, a.memory_bytes, a.compute_share, peak))
+        ledger.reserve(name, held, view.spec.anti_affinity)
+        if view.spec.anti_affinity is not None:
+            ledger.group_of[name] = view.spec.anti_affinity
+    return ledger
+
+
+@dataclass
+class _Cycle:
+    snapshot: ClusterSnapshot
+    config: SchedulerConfig
+    ledger: Ledger
+    decisions: list[Decision] = field(default_factory=list)
+    busy: set[str] = field(default_factory=set)
+    actions: int = 0
+    queued: int = 0
+    reservations: int = 0
+    fail_cache: dict[tuple[object, ...], tuple[int, str]] = field(default_factory=dict)
+    no_preempt: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
+    preempting: dict[str, str | None] = field(default_factory=dict)
+    ballooning: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    claimed: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    """The pure scheduling policy shared by the coordinator, the simulator and the benchmarks.
+
+    Args:
+        config: operator knobs (validated by :class:`SchedulerConfig`).
+
+    Example:
+        >>> from gpupool_sdk.resources import GpuInfo, JobSpec, GiB
+        >>> from gpupool_sdk.scheduler import ClusterSnapshot, JobView, Scheduler, SchedulerConfig
+        >>> gpu = GpuInfo(uuid="GPU-0", node="n", index=0, model="H100-80GB", memory_bytes=80 * GiB)
+        >>> job = JobView(spec=JobSpec(name="a", memory="20GiB"))
+        >>> snap = ClusterSnapshot(now=0.0, gpus={"GPU-0": gpu}, jobs={"a": job})
+        >>> [type(d).__name__ for d in Scheduler(SchedulerConfig()).schedule(snap)]
+        ['Grant']
+    """
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+
+    def schedule(self, snapshot: ClusterSnapshot) -> list[Decision]:
+        """Run one cycle; returns the decisions in the order they should be applied."""
+        return list(self.run(snapshot).decisions)
+
+    def run(self, snapshot: ClusterSnapshot) -> ScheduleResult:
+        """Run one cycle; returns the decisions plus how many pending jobs were considered."""
+        config = self.config
+        ledger = build_ledger(snapshot, config)
+        cyc = _Cycle(snapshot, config, ledger)
+        now = snapshot.now
+
+        # Protocol: acks and deadlines.
+        proto = handle_protocol(snapshot, ledger, config)
+        cyc.decisions.extend(proto.decisions)
+        cyc.busy |= proto.busy
+        cyc.busy |= {d.job for d in proto.decisions if isinstance(d, Preempt)}
+
+        # Health / drain.
+        for p in health_preemptions(snapshot, config, cyc.busy | proto.freed):
+            cyc.decisions.append(p)
+            cyc.busy.add(p.job)
+            cyc.preempting[p.job] = None
+
+        # Capacity already being freed: jobs with a preempt / resize / balloon directive in flight.
+        for name in sorted(proto.busy):
+            view = snapshot.jobs[name]
+            d = view.directive
+            if d is None:
+                continue
+            if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
+                cyc.preempting[name] = freeing_for(view)
+            elif d.kind is DirectiveKind.BALLOON and "memory_bytes" in d.target:
+                cyc.ballooning[name] = (int(d.target["memory_bytes"]), freeing_for(view))
+
+        # Pending jobs: the spec's PENDING jobs plus resized jobs re-placed at their target count.
+        pending: list[tuple[JobView, int | None]] = []
+        for name in sorted(snapshot.jobs):
+            view = snapshot.jobs[name]
+            if name in proto.requeued:
+                target = proto.requeued[name]
+                pending.append((view, max(view.spec.min_gpus or 1, min(target, view.spec.max_gpus or target))))
+            elif view.state is JobState.PENDING and not view.allocations and name not in cyc.busy:
+                pending.append((view, None))
+
+        if not snapshot.gpus:
+            for view, _ in pending:
+                cyc.decisions.append(Queue(view.name, "queued: no GPUs published"))
+            return ScheduleResult(tuple(cyc.decisions), considered=0)
+
+        pool = summarize(snapshot.gpus.values())
+        reject_cache: dict[tuple[object, ...], str | None] = {}
+        live: list[tuple[JobView, SliceRequest]] = []
+        for view, count in pending:
+            req = request_for(view, config, count)
+            key = req.shape
+            if key not in reject_cache:
+                reject_cache[key] = reject_reason(req, pool, config.overcommit_ratio)
+            why = reject_cache[key]
+            if why is not None:
+                cyc.decisions.append(Reject(view.name, f"impossible: {why}"))
+            else:
+                live.append((view, req))
+
+        by_name = {v.name: (v, r) for v, r in live}
+        ordered = order_pending((v for v, _ in live), now, config)
+        considered = 0
+        for view in ordered:
+            req = by_name[view.name][1]
+            if cyc.actions >= config.max_decisions:
+                cyc.decisions.append(
+                    Queue(view.name, f"queued: not considered this cycle (max_decisions={config.max_decisions} reached)")
+                )
+                cyc.queued += 1
+                continue
+            considered += 1
+            self._consider(cyc, view, req)
+
+        if cyc.queued == 0:
+            self._deflate(cyc)
+            if config.resize_up:
+                self._resize_up(cyc)
+        return ScheduleResult(tuple(cyc.decisions), considered=considered)
+
+    # ------------------------------------------------------------------ one pending job
+
+    def _consider(self, cyc: _Cycle, view: JobView, req: SliceRequest) -> None:
+        ledger = cyc.ledger
+        config = cyc.config
+        now = cyc.snapshot.now
+        shape = req.shape
+        cached = cyc.fail_cache.get(shape)
+        gpus: list[int] | None = None
+        if cached is None or cached[0] != ledger.frees:
+            gpus = place(ledger, req)
+        if gpus is not None:
+            self._grant(cyc, view, req, gpus)
+            return
+        prio = effective_priority(view, now, config)
+
+        # 1. Capacity already being freed for this job (or for nobody in particular).
+        if cyc.preempting or cyc.ballooning:
+            pre = [
+                n for n, who in cyc.preempting.items() if (who is None or who == view.name) and n not in cyc.claimed
+            ]
+            bal = {
+                n: t for n, (t, who) in cyc.ballooning.items() if (who is None or who == view.name) and n not in cyc.claimed
+            }
+            plan = plan_from_freeing(ledger, req, sorted(pre), bal)
+            if plan is not None:
+                cyc.claimed.update(plan.jobs)
+                self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'release')} of {', '.join(plan.jobs)}")
+                return
+
+        # 2. Balloon shared jobs down to their predicted peaks.
+        if config.allow_preemption and cyc.actions < config.max_decisions:
+            targets = balloon_targets(
+                (v for v in cyc.snapshot.jobs.values() if v.name not in cyc.claimed), prio, config, cyc.busy
+            )
+            plan = plan_balloon(ledger, req, targets) if targets else None
+            if plan is not None:
+                for name, target in zip(plan.jobs, plan.targets, strict=True):
+                    cyc.decisions.append(
+                        Balloon(
+                            name,
+                            target,
+                            f"shrink to predicted peak {format_size(target)} per slice to make room for {view.name}",
+                            deadline=now + config.balloon_grace_s,
+                            for_job=view.name,
+                        )
+                    )
+                    cyc.busy.add(name)
+                    cyc.claimed.add(name)
+                    cyc.ballooning[name] = (target, view.name)
+                    cyc.actions += 1
+                self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'balloon')} of {', '.join(plan.jobs)}")
+                return
+
+        # 3. Preempt lower-priority jobs.
+        if config.allow_preemption and cyc.actions < config.max_decisions:
+            known = cyc.no_preempt.get(shape)
+            if known is None or known[0] != ledger.frees or prio > known[1]:
+                victims = eligible_victims(cyc.snapshot.jobs.values(), prio, now, config, cyc.busy, ledger)
+                plan = plan_preemption(ledger, req, victims) if victims else None
+                if plan is not None:
+                    for name in plan.jobs:
+                        victim = cyc.snapshot.jobs[name]
+                        cyc.decisions.append(
+                            Preempt(
+                                name,
+                                f"preempted to make room for {view.name} (priority {view.spec.priority}, "
+                                f"effective {prio:.1f}) over {name} (priority {victim.spec.priority})",
+                                deadline=preempt_deadline(victim, now, config),
+                                for_job=view.name,
+                            )
+                        )
+                        cyc.busy.add(name)
+                        cyc.claimed.add(name)
+                        cyc.preempting[name] = view.name
+                        cyc.actions += 1
+                    # Nobody else may take the room being made for this job.
+                    ledger.block(plan.gpus, view.name)
+                    self._queue(
+                        cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'preemption')} of {', '.join(plan.jobs)}"
+                    )
+                    return
+                cyc.no_preempt[shape] = (ledger.frees, max(prio, known[1]) if known and known[0] == ledger.frees else prio)
+
+        reason = self._why(cyc, req) if cached is None or cached[0] != ledger.frees else cached[1]
+        cyc.fail_cache[shape] = (ledger.frees, reason)
+
+        # 4. Reserve GPUs for a job blocked for long: lower jobs only backfill elsewhere.
+        if (
+            cyc.reservations < config.max_reservations
+            and waited_s(view, now) >= config.reserve_after_s
+        ):
+            hold = self._reservation(cyc, view, req, prio)
+            if hold:
+                ledger.block(hold, view.name)
+                cyc.reservations += 1
+                reason += f"; {_count(len(hold), 'GPU')} reserved for it (others backfill elsewhere)"
+        self._queue(cyc, view, reason)
+
+    def _grant(self, cyc: _Cycle, view: JobView, req: SliceRequest, gpus: list[int]) -> None:
+        ledger = cyc.ledger
+        held = holdings_for(ledger, req, gpus)
+        ledger.reserve(view.name, held, req.anti_affinity)
+        slices = tuple(
+            SliceGrant(
+                node=ledger.gpus[h.gpu].node,
+                gpu_uuid=ledger.gpus[h.gpu].uuid,
+                gpu_index=ledger.gpus[h.gpu].index,
+                memory_bytes=h.memory,
+                compute_share=h.compute,
+            )
+            for h in held
+        )
+        nodes = sorted({s.node for s in slices})
+        reason = f"granted {_count(len(slices), 'slice')} on {', '.join(nodes)}"
+        if len(slices) < view.spec.gpus:
+            reason += f" (elastic: {len(slices)} of {view.spec.gpus} wanted)"
+        cyc.decisions.append(Grant(view.name, slices, reason))
+        cyc.actions += 1
+
+    def _queue(self, cyc: _Cycle, view: JobView, reason: str) -> None:
+        cyc.decisions.append(Queue(view.name, reason))
+        cyc.queued += 1
+
+    def _why(self, cyc: _Cycle, req: SliceRequest) -> str:
+        matching = cyc.ledger.matching_count(req)
+        if matching == 0:
+            return "queued: every matching GPU is unhealthy, cordoned or draining"
+        if req.qos is QoS.EXCLUSIVE:
+            what = "idle GPU" + (f" with >= {format_size(req.memory)}" if req.memory else "")
+        elif req.qos is QoS.GUARANTEED:
+            what = f"GPU with {format_size(req.memory)} free" + (
+                f" and {req.compute:g} compute" if req.compute < 1.0 else " and full compute"
+            )
+        else:
+            what = f"GPU with {format_size(req.memory)} shared quota free (predicted peak {format_size(req.peak)})"
+        if req.count == 1:
+            return f"queued: no {what} among {matching} matching"
+        layout = {"pack": "", "spread": " on distinct nodes", "any": ""}[req.topology]
+        if req.anti_affinity:
+            layout += f" away from group {req.anti_affinity}"
+        want = f"{req.min_count}-{req.count}" if req.min_count < req.count else str(req.count)
+        return f"queued: needs {want} x {what}{layout} among {matching} matching"
+
+    def _reservation(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> list[int] | None:
+        """GPUs to hold for ``view``: where it would fit if every lower-priority job were gone."""
+        ledger = cyc.ledger
+        lower = [
+            v.name
+            for v in cyc.snapshot.jobs.values()
+            if v.name in ledger.holdings and v.spec.priority < prio
+        ]
+        removed = [(n, ledger.unreserve(n)) for n in sorted(lower)]
+        try:
+            return place(ledger, req)
+        finally:
+            for n, held in reversed(removed):
+                ledger.restore(n, held)
+
+    # ------------------------------------------------------------------ nothing pending: give back
+
+    def _deflate(self, cyc: _Cycle) -> None:
+        ledger = cyc.ledger
+        config = cyc.config
+        for name in sorted(cyc.snapshot.jobs):
+            if cyc.actions >= config.max_decisions:
+                return
+            view = cyc.snapshot.jobs[name]
+            if view.spec.qos_class is not QoS.SHARED or view.directive is not None or name in cyc.busy:
+                continue
+            if view.state is not JobState.GRANTED or not view.allocations:
+                continue
+            full = view.spec.memory_bytes
+            if all(a.memory_bytes >= full for a in view.allocations):
+                continue
+            old = ledger.set_quota(name, full, predicted_peak(view, full, config))
+            ok = all(
+                load.shared_quota + load.reserved <= config.overcommit_ratio * load.phys
+                and load.shared_peak + load.reserved <= load.phys
+                for load in (ledger.loads[h.gpu] for h in old)
+            )
+            if ok:
+                cyc.decisions.append(Deflate(name, f"memory pressure over: quota back to {format_size(full)} per slice"))
+                cyc.actions += 1
+            else:
+                ledger.replace(name, old)
+
+    def _resize_up(self, cyc: _Cycle) -> None:
+        ledger = cyc.ledger
+        config = cyc.config
+        now = cyc.snapshot.now
+        views = sorted(
+            (v for v in cyc.snapshot.jobs.values() if v.spec.is_elastic),
+            key=lambda v: (-v.spec.priority, v.order, v.name),
+        )
+        for view in views:
+            if cyc.actions >= config.max_decisions:
+                return
+            have = len(view.allocations)
+            max_g = view.spec.max_gpus or view.spec.gpus
+            if view.state is not JobState.GRANTED or view.directive is not None or view.name in cyc.busy:
+                continue
+            if have == 0 or have >= max_g:
+                continue
+            req = request_for(view, config, max_g)
+            req = replace(req, min_count=min(have + 1, req.count))
+            old = ledger.unreserve(view.name)
+            gpus = place(ledger, req)
+            if gpus is None or len(gpus) <= have:
+                ledger.restore(view.name, old)
+                continue
+            ledger.reserve(view.name, holdings_for(ledger, req, gpus))
+            cyc.decisions.append(
+                Resize(
+                    view.name,
+                    len(gpus),
+                    f"nothing pending: grow from {have} to {len(gpus)} GPU(s) (max {max_g})",
+                    deadline=preempt_deadline(view, now, config),
+                )
+            )
+            cyc.busy.add(view.name)
+            cyc.actions += 1
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

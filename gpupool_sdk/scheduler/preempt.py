@@ -1,0 +1,230 @@
+"""Preempt stage (post-filter): make room for a pending job that does not fit.
+
+Three tools, tried in this order by the policy:
+
+1. :func:`plan_from_freeing`: capacity already being freed for the job (victims still
+   checkpointing, balloons in flight) is enough: wait, preempt nobody else.
+2. :func:`plan_balloon`: shrinking shared jobs to their predicted peak frees enough memory.
+3. :func:`plan_preemption`: a minimal set of lower-priority victims.
+
+Victims are GRANTED jobs without a directive in flight, whose priority is strictly lower than
+the pending job's effective priority, and that are past their minimum guarantee
+(``max(spec.min_runtime_s, config.min_runtime_s)`` since ``granted_at``). They are tried in
+the order of :func:`victim_key`: shared before guaranteed/exclusive, lowest priority first,
+then least work lost (seconds since the last acknowledged checkpoint, or since the grant, times
+the number of slices). Every plan is simulated in the ledger and the ledger is put back as it
+was before the function returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from gpupool_sdk.resources import JobState, QoS
+from gpupool_sdk.scheduler.filter import SliceRequest, predicted_peak
+from gpupool_sdk.scheduler.ledger import Holding, Ledger
+from gpupool_sdk.scheduler.placement import place
+from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A way to make ``req`` fit: the jobs involved and the GPUs it would then get.
+
+    Attributes:
+        jobs: victims (preemption), ballooned jobs, or the in-flight jobs waited for.
+        gpus: ledger GPU indices of the placement the plan makes possible.
+        targets: per-slice byte targets of ballooned jobs (balloon plans only).
+    """
+
+    jobs: tuple[str, ...]
+    gpus: tuple[int, ...]
+    targets: tuple[int, ...] = ()
+
+
+def work_lost_s(view: JobView, now: float) -> float:
+    """GPU-seconds lost if ``view`` is preempted now (since its last checkpoint, else its grant)."""
+    since = view.last_checkpoint_at if view.last_checkpoint_at is not None else view.granted_at
+    if since is None:
+        return 0.0
+    return max(0.0, now - since) * max(1, len(view.allocations))
+
+
+def min_guarantee_s(view: JobView, config: SchedulerConfig) -> float:
+    """The minimum run time protecting ``view`` after its grant."""
+    return max(view.spec.min_runtime_s, config.min_runtime_s)
+
+
+def is_protected(view: JobView, now: float, config: SchedulerConfig) -> bool:
+    """True while ``view`` is inside its minimum guarantee (it may not be preempted)."""
+    if view.granted_at is None:
+        return False
+    return now - view.granted_at < min_guarantee_s(view, config)
+
+
+def victim_key(view: JobView, now: float) -> tuple[int, int, float, int, str]:
+    """Sort key of victims: first in this order is preempted first."""
+    return (view.spec.qos_class.rank, view.spec.priority, work_lost_s(view, now), -view.order, view.name)
+
+
+def eligible_victims(
+    jobs: Iterable[JobView],
+    priority: float,
+    now: float,
+    config: SchedulerConfig,
+    busy: Iterable[str] = (),
+    ledger: Ledger | None = None,
+) -> list[JobView]:
+    """GRANTED jobs that may be preempted for a job of effective ``priority``, in victim order."""
+    busy_set = set(busy)
+    out = [
+        v
+        for v in jobs
+        if v.state is JobState.GRANTED
+        and v.directive is None
+        and v.name not in busy_set
+        and v.spec.priority < priority
+        and not is_protected(v, now, config)
+        and (ledger is None or ledger.holdings.get(v.name))
+    ]
+    out.sort(key=lambda v: victim_key(v, now))
+    return out
+
+
+def plan_preemption(ledger: Ledger, req: SliceRequest, victims: Sequence[JobView]) -> Plan | None:
+    """The smallest victim set (greedy in the given order, then pruned) after which ``req`` fits."""
+    relevant = _touching(ledger, req, [v.name for v in victims])
+    if not relevant:
+        return None
+    removed: list[tuple[str, list[Holding]]] = []
+    gpus: list[int] | None = None
+    batch = 1
+    pos = 0
+    try:
+        # Free victims in doubling batches: few placement attempts even with many candidates.
+        while pos < len(relevant):
+            for name in relevant[pos : pos + batch]:
+                removed.append((name, ledger.unreserve(name)))
+            pos += batch
+            batch *= 2
+            gpus = place(ledger, req)
+            if gpus is not None:
+                break
+        if gpus is None:
+            return None
+        chosen = _prune(ledger, req, removed, gpus)
+        final = place(ledger, req)
+        if final is None:  # cannot happen: pruning only restores what keeps a placement
+            return None
+        return Plan(tuple(chosen), tuple(final))
+    finally:
+        for name, held in reversed(removed):
+            if name in ledger.holdings:
+                continue
+            ledger.restore(name, held)
+
+
+def _prune(ledger: Ledger, req: SliceRequest, removed: list[tuple[str, list[Holding]]], gpus: list[int]) -> list[str]:
+    """Restore victims the placement does not need; returns the victims still removed (in order)."""
+    used = set(gpus)
+    keep: list[tuple[str, list[Holding]]] = []
+    for name, held in reversed(removed):
+        if not any(h.gpu in used for h in held):
+            ledger.restore(name, held)
+        else:
+            keep.append((name, held))
+    keep.reverse()
+    # Try to spare the most protected needed victims (last in victim order) one by one.
+    still: list[str] = []
+    for name, held in reversed(keep):
+        ledger.restore(name, held)
+        if place(ledger, req) is None:
+            ledger.unreserve(name)
+            still.append(name)
+    still.reverse()
+    return still
+
+
+def balloon_targets(views: Iterable[JobView], priority: float, config: SchedulerConfig, busy: Iterable[str] = ()) -> dict[str, int]:
+    """Shared GRANTED jobs that could shrink, with their target (predicted peak) per slice."""
+    busy_set = set(busy)
+    out: dict[str, int] = {}
+    for v in views:
+        if v.spec.qos_class is not QoS.SHARED or v.state is not JobState.GRANTED or v.directive is not None:
+            continue
+        if v.name in busy_set or not v.allocations or v.spec.priority > priority:
+            continue
+        quota = max(a.memory_bytes for a in v.allocations)
+        target = predicted_peak(v, quota, config)
+        if target < quota:
+            out[v.name] = target
+    return out
+
+
+def plan_balloon(ledger: Ledger, req: SliceRequest, targets: dict[str, int]) -> Plan | None:
+    """Shrink shared jobs to their targets if that alone makes ``req`` fit; only the needed ones."""
+    names = _touching(ledger, req, sorted(targets))
+    if not names:
+        return None
+    old: dict[str, list[Holding]] = {}
+    try:
+        for name in names:
+            old[name] = ledger.set_quota(name, targets[name], targets[name])
+        gpus = place(ledger, req)
+        if gpus is None:
+            return None
+        used = set(gpus)
+        needed = [n for n in names if any(h.gpu in used for h in old[n])]
+        for n in names:
+            if n not in needed:
+                ledger.replace(n, old.pop(n))
+        final = place(ledger, req)
+        if final is None:
+            return None
+        return Plan(tuple(needed), tuple(final), tuple(targets[n] for n in needed))
+    finally:
+        for name, held in old.items():
+            ledger.replace(name, held)
+
+
+def plan_from_freeing(
+    ledger: Ledger, req: SliceRequest, preempting: Sequence[str], ballooning: dict[str, int]
+) -> Plan | None:
+    """Would ``req`` fit once the in-flight preemptions and balloons complete? Only the needed ones are named."""
+    pre = _touching(ledger, req, list(preempting))
+    bal = _touching(ledger, req, sorted(ballooning))
+    if not pre and not bal:
+        return None
+    removed: list[tuple[str, list[Holding]]] = []
+    shrunk: dict[str, list[Holding]] = {}
+    try:
+        for name in pre:
+            removed.append((name, ledger.unreserve(name)))
+        for name in bal:
+            shrunk[name] = ledger.set_quota(name, ballooning[name], ballooning[name])
+        gpus = place(ledger, req)
+        if gpus is None:
+            return None
+        used = set(gpus)
+        needed = [n for n, held in removed if any(h.gpu in used for h in held)]
+        needed += [n for n in bal if any(h.gpu in used for h in shrunk[n])]
+        return Plan(tuple(needed), tuple(gpus))
+    finally:
+        for name, held in shrunk.items():
+            ledger.replace(name, held)
+        for name, held in reversed(removed):
+            ledger.restore(name, held)
+
+
+def _touching(ledger: Ledger, req: SliceRequest, names: Sequence[str]) -> list[str]:
+    """Those of ``names`` holding a slice on a schedulable GPU that statically matches ``req`` (order kept)."""
+    classes = {id(c) for c in ledger.matching_classes(req.features, req.gpu_model)}
+    out = []
+    for name in names:
+        for h in ledger.holdings.get(name, ()):
+            cls = ledger.class_of(h.gpu)
+            if cls is not None and id(cls) in classes:
+                out.append(name)
+                break
+    return out

@@ -1,0 +1,151 @@
+"""Protocol stage: act on acks and missed deadlines before anything is placed.
+
+For each job with an outstanding directive:
+
+* ``preempt`` acked (``ack.seq == directive.seq``) -> :class:`Release` to SUSPENDED; its slices
+  are free for this cycle.
+* ``resize`` acked -> :class:`Release` to PENDING; its slices are free and the job is placed
+  again in this same cycle with the target slice count (it restarts from its checkpoint).
+* ``balloon`` acked -> :class:`Shrink` to the bytes reached (never above the current quota);
+  an ack that says it could not comply (``ok=False``) -> :class:`Preempt`.
+* ``preempt`` / ``resize`` past the deadline without the ack -> :class:`Revoke` (forced: the
+  lease goes, with every key of the job, so its slices are free for this cycle).
+* ``balloon`` past the deadline without the ack -> :class:`Preempt` (it could not shrink).
+* ``deflate`` needs nothing from the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpupool_sdk.resources import DirectiveKind, JobState, QoS
+from gpupool_sdk.resources.units import format_size
+from gpupool_sdk.scheduler.filter import predicted_peak
+from gpupool_sdk.scheduler.ledger import Ledger
+from gpupool_sdk.scheduler.types import (
+    ClusterSnapshot,
+    Decision,
+    JobView,
+    Preempt,
+    Release,
+    Revoke,
+    SchedulerConfig,
+    Shrink,
+)
+
+
+@dataclass
+class ProtocolOutcome:
+    """What the protocol stage decided.
+
+    Attributes:
+        decisions: Release / Revoke / Shrink / Preempt decisions, in job-name order.
+        freed: jobs whose slices were freed in the ledger (released or revoked).
+        requeued: resized jobs to place again this cycle, with their target slice count.
+        busy: jobs that still have a directive in flight (no new directive this cycle).
+    """
+
+    decisions: list[Decision] = field(default_factory=list)
+    freed: set[str] = field(default_factory=set)
+    requeued: dict[str, int] = field(default_factory=dict)
+    busy: set[str] = field(default_factory=set)
+
+
+def preempt_deadline(view: JobView, now: float, config: SchedulerConfig) -> float:
+    """Deadline for a preempt directive to ``view``: its spec's grace, else the config default."""
+    grace = view.spec.preempt_grace_s if view.spec.preempt_grace_s > 0 else config.preempt_grace_s
+    return now + grace
+
+
+def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: SchedulerConfig) -> ProtocolOutcome:
+    """Run the protocol stage over every job with a directive; mutates ``ledger`` for freed slices."""
+    out = ProtocolOutcome()
+    now = snapshot.now
+    for name in sorted(snapshot.jobs):
+        view = snapshot.jobs[name]
+        d = view.directive
+        if d is None:
+            continue
+        acked = view.ack is not None and view.ack.seq == d.seq
+        if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
+            if acked:
+                assert view.ack is not None
+                where = f" at step {view.ack.step}" + (f", checkpoint {view.ack.checkpoint}" if view.ack.checkpoint else "")
+                ledger.unreserve(name)
+                out.freed.add(name)
+                if d.kind is DirectiveKind.RESIZE:
+                    target = int(d.target.get("gpus", view.spec.gpus))
+                    out.requeued[name] = target
+                    out.decisions.append(
+                        Release(name, JobState.PENDING, f"resize to {target} GPU(s) acknowledged{where}; re-placing")
+                    )
+                else:
+                    out.decisions.append(Release(name, JobState.SUSPENDED, f"preempted{where}: {d.reason}".rstrip(": ")))
+            elif now > d.deadline:
+                ledger.unreserve(name)
+                out.freed.add(name)
+                out.decisions.append(
+                    Revoke(name, f"no ack to {d.kind.value} directive seq {d.seq} by its deadline; lease revoked")
+                )
+            else:
+                out.busy.add(name)
+        elif d.kind is DirectiveKind.BALLOON:
+            if acked:
+                assert view.ack is not None
+                if not view.ack.ok:
+                    out.decisions.append(
+                        Preempt(
+                            name,
+                            f"could not honour balloon seq {d.seq}: {view.ack.message or 'no reason given'}",
+                            deadline=preempt_deadline(view, now, config),
+                            for_job=_for_job(view),
+                        )
+                    )
+                    out.busy.add(name)
+                    continue
+                current = max((a.memory_bytes for a in view.allocations), default=view.spec.memory_bytes)
+                reached = view.ack.reached_bytes
+                if reached is None:
+                    reached = int(d.target.get("memory_bytes", current))
+                reached = min(reached, current)
+                peak = predicted_peak(view, reached, config)
+                ledger.set_quota(name, reached, peak)
+                if reached < current:
+                    out.freed.add(name)
+                    ledger.frees += 1
+                out.decisions.append(
+                    Shrink(name, reached, f"balloon seq {d.seq} reached {format_size(reached)} per slice")
+                )
+            elif now > d.deadline:
+                out.decisions.append(
+                    Preempt(
+                        name,
+                        f"did not honour balloon seq {d.seq} to "
+                        f"{format_size(int(d.target.get('memory_bytes', 0)))} by its deadline",
+                        deadline=preempt_deadline(view, now, config),
+                        for_job=_for_job(view),
+                    )
+                )
+                out.busy.add(name)
+            else:
+                out.busy.add(name)
+        # DEFLATE: the coordinator restores the quota itself; nothing to decide.
+    return out
+
+
+def _for_job(view: JobView) -> str | None:
+    d = view.directive
+    if d is None:
+        return None
+    who = d.target.get("for_job")
+    return str(who) if who else None
+
+
+def freeing_for(view: JobView) -> str | None:
+    """The pending job a PREEMPTING or ballooning ``view`` is making room for, if its directive says."""
+    return _for_job(view)
+
+
+def is_shared(view: JobView) -> bool:
+    """True for shared-class jobs (the only ones ever ballooned)."""
+    return view.spec.qos_class is QoS.SHARED
