@@ -20,6 +20,7 @@ import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 from gpupool_sdk.errors import ConfigError
@@ -124,7 +125,10 @@ def suggested_memory(peak_bytes: int, settings: AdviceSettings) -> int:
         >>> suggested_memory(10 * GiB, AdviceSettings()) // GiB
         12
     """
-    return int(round_up(peak_bytes * (1.0 + settings.memory_margin), settings.memory_round_bytes))
+    # Exact arithmetic: a float product could push an exact 12 GiB one byte over, to 13 GiB.
+    need = math.ceil(peak_bytes * (1 + Fraction(str(settings.memory_margin))))
+    step = settings.memory_round_bytes
+    return -(-need // step) * step
 
 
 def _qos_switch_saving(cost: float, qos: QoS, prices: PriceTable) -> float:
@@ -301,8 +305,8 @@ def _cheaper_model(
         if needed and offer.features and not needed <= offer.features:
             continue
         price = prices.price_per_hour(offer.name, spec.qos_class)
-        if price is None:
-            continue
+        if price is None:  # not priced by the table: the offer's own list price
+            price = offer.price_per_hour_usd * prices.factor(spec.qos_class)
         if spec.qos_class is QoS.EXCLUSIVE:
             share = 1.0
         else:

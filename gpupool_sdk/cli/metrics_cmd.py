@@ -1,0 +1,174 @@
+"""``gpupool metrics``: the Prometheus exporter and the cost and right-sizing report.
+
+* ``gpupool metrics serve --port 9400``: a standalone exporter reading etcd on each scrape.
+* ``gpupool metrics report [-o table|json]``: cost by job and owner, plus advice.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gpupool_sdk.cli.common import echo_json, endpoints_option, output_option, prefix_option, watch_option
+from gpupool_sdk.cli.top_cmd import (
+    load_prices,
+    open_store,
+    prices_option,
+    report_console,
+    report_errors,
+    timeout_option,
+    unreachable,
+    watch_loop,
+)
+from gpupool_sdk.errors import ConfigError, StoreUnavailableError
+from gpupool_sdk.telemetry.pricing import catalog_offers
+from gpupool_sdk.telemetry.prometheus import serve_metrics
+from gpupool_sdk.telemetry.report import cost_report
+from gpupool_sdk.telemetry.view import PoolView
+
+
+@click.group("metrics")
+def metrics() -> None:
+    """Prometheus exporter and cost / right-sizing report."""
+
+
+@metrics.command("serve")
+@endpoints_option
+@prefix_option
+@click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True, help="HTTP port (0: any free).")
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--min-interval",
+    "min_interval_s",
+    type=click.FloatRange(min=0.0),
+    default=1.0,
+    show_default=True,
+    help="Minimum seconds between two etcd reads (scrapes in between reuse the last read).",
+)
+@prices_option
+@timeout_option
+@click.pass_context
+def serve(
+    ctx: click.Context,
+    endpoints: str | None,
+    prefix: str | None,
+    port: int,
+    addr: str,
+    min_interval_s: float,
+    prices_path: Path | None,
+    timeout_s: float,
+) -> None:
+    """Serve pool metrics at http://ADDR:PORT/metrics until Ctrl-C or SIGTERM.
+
+    \b
+    Example:
+        gpupool metrics serve --port 9400
+        curl -s localhost:9400/metrics | grep gpupool_job_cost_usd_total
+    """
+    prices = load_prices(prices_path)
+    with open_store(endpoints, prefix, timeout_s) as store:
+        try:
+            store.revision()  # fail fast (exit 3) when etcd is not there at start
+        except StoreUnavailableError as exc:
+            unreachable(ctx, endpoints, exc)
+        try:
+            server = serve_metrics(store, port, addr=addr, prices=prices, min_interval_s=min_interval_s)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--port") from None
+        stop = threading.Event()
+
+        def _on_signal(signum: int, frame: FrameType | None) -> None:
+            stop.set()
+
+        old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            click.echo(f"serving gpupool metrics on http://{addr}:{server.port}/metrics (etcd {store.endpoint})")
+            stop.wait()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            server.close()
+
+
+def render_report(doc: dict[str, Any], console: Console) -> None:
+    """Render the cost report: jobs, owners, advice."""
+    jobs = Table(title="cost by job", title_justify="left", box=None, pad_edge=False)
+    for col in ("JOB", "OWNER", "QOS", "GPU-H", "MEM GiB-H", "COST $", "$/H NOW", "LIVE"):
+        jobs.add_column(col, no_wrap=True)
+    for j in doc["jobs"]:
+        jobs.add_row(
+            j["job"],
+            j["owner"] or "-",
+            j["qos"],
+            f"{j['gpu_hours']:.2f}",
+            f"{j['memory_gib_hours']:.1f}",
+            f"{j['cost_usd']:.2f}",
+            f"{j['cost_usd_per_hour']:.2f}",
+            "yes" if j["live"] else "no",
+        )
+    console.print(jobs)
+    owners = Table(title="cost by owner", title_justify="left", box=None, pad_edge=False)
+    for col in ("OWNER", "JOBS", "GPU-H", "COST $"):
+        owners.add_column(col, no_wrap=True)
+    for o in doc["owners"]:
+        owners.add_row(o["owner"] or "-", str(o["jobs"]), f"{o['gpu_hours']:.2f}", f"{o['cost_usd']:.2f}")
+    console.print(owners)
+    console.print(
+        f"total ${doc['total_cost_usd']:.2f}; current rate ${doc['cost_usd_per_hour']:.2f}/h; "
+        f"advice could save about ${doc['saving_usd_per_hour']:.2f}/h"
+    )
+    advice = Table(title="advice", title_justify="left", box=None, pad_edge=False)
+    for col in ("JOB", "KIND", "SAVING $/H", "ADVICE"):
+        advice.add_column(col)
+    for a in doc["advice"]:
+        advice.add_row(a["job"], a["kind"], f"{a['saving_usd_per_hour']:.2f}", a["message"])
+    console.print(advice if doc["advice"] else "advice: none")
+
+
+@metrics.command("report")
+@endpoints_option
+@prefix_option
+@output_option
+@watch_option
+@prices_option
+@timeout_option
+@click.pass_context
+def report(
+    ctx: click.Context,
+    endpoints: str | None,
+    prefix: str | None,
+    output: str,
+    watch_s: float | None,
+    prices_path: Path | None,
+    timeout_s: float,
+) -> None:
+    """Cost by job and owner, and right-sizing advice.
+
+    \b
+    Examples:
+        gpupool metrics report
+        gpupool metrics report -o json | jq '.advice[] | select(.saving_usd_per_hour > 1)'
+    """
+    prices = load_prices(prices_path)
+    offers = catalog_offers()
+    console = report_console()
+
+    def render(view: PoolView, watching: bool) -> None:
+        doc = cost_report(view, prices, offers)
+        if output == "json":
+            echo_json(doc)
+        else:
+            if watching:
+                console.clear()
+            render_report(doc, console)
+        report_errors(view.errors)
+
+    with open_store(endpoints, prefix, timeout_s) as store:
+        watch_loop(ctx, endpoints, store, watch_s, render)

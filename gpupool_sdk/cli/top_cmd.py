@@ -1,0 +1,240 @@
+"""``gpupool top``: a live per-job and per-GPU view of the pool.
+
+Jobs: state, step rate, phase breakdown (a proportion bar: D data, F forward, B backward,
+O optimizer, C checkpoint, . other), memory peak against quota, GPU utilisation, GPU-hours and
+cost. GPUs: memory and compute granted, measured use and the jobs on each.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gpupool_sdk.cli.common import (
+    EXIT_UNREACHABLE,
+    echo_json,
+    endpoints_option,
+    output_option,
+    prefix_option,
+    resolve_endpoints,
+    watch_option,
+)
+from gpupool_sdk.errors import ConfigError, StoreUnavailableError
+from gpupool_sdk.resources import format_size
+from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.telemetry.pricing import PriceTable
+from gpupool_sdk.telemetry.report import phase_bar, top_report
+from gpupool_sdk.telemetry.view import PoolView, load_view
+
+
+def timeout_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--timeout",
+        "timeout_s",
+        type=click.FloatRange(min=0.1),
+        default=5.0,
+        show_default=True,
+        help="Seconds to keep trying to reach etcd before giving up (exit code 3).",
+    )(f)
+
+
+def prices_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--prices",
+        "prices_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="JSON price overrides (default $GPUPOOL_PRICES, then the GPU catalog's list prices).",
+    )(f)
+
+
+def load_prices(path: Path | None) -> PriceTable:
+    """The price table, with a bad file reported as a usage error naming the file."""
+    try:
+        return PriceTable.load(path)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--prices / $GPUPOOL_PRICES") from None
+
+
+@contextmanager
+def open_store(endpoints: str | None, prefix: str | None, timeout_s: float) -> Iterator[Any]:
+    """An EtcdStore for a reporting command (closed on exit); bad settings are usage errors."""
+    from gpupool_sdk.store.etcd_store import EtcdStore
+
+    try:
+        store = EtcdStore(resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=timeout_s)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def unreachable(ctx: click.Context, endpoints: str | None, exc: Exception) -> NoReturn:
+    """Report an unreachable etcd (the message names the endpoints) and exit with code 3.
+
+    ``sys.exit`` rather than ``ctx.exit``: the ``gpupool`` entry point runs click with
+    ``standalone_mode=False``, where ``ctx.exit`` codes would be returned, not used.
+    """
+    msg = str(exc)
+    where = resolve_endpoints(endpoints)
+    if where not in msg:
+        msg = f"{where}: {msg}"
+    click.echo(f"error: etcd unreachable: {msg}", err=True)
+    sys.exit(EXIT_UNREACHABLE)
+
+
+def report_errors(errors: list[str] | tuple[str, ...]) -> None:
+    """Print skipped malformed values on stderr (they never stop a report)."""
+    if errors:
+        click.echo(f"warning: skipped {len(errors)} malformed value(s):", err=True)
+        for e in errors:
+            click.echo(f"  {e}", err=True)
+
+
+def watch_loop(
+    ctx: click.Context,
+    endpoints: str | None,
+    store: Any,
+    watch_s: float | None,
+    render: Callable[[PoolView, bool], None],
+) -> None:
+    """Read the pool and render it once, or every ``watch_s`` seconds until Ctrl-C.
+
+    The first failed read exits with code 3; once watching, a failed read is shown and retried.
+    """
+    if watch_s is not None and watch_s <= 0:
+        raise click.BadParameter(f"must be > 0 seconds, got {watch_s}", param_hint="-w/--watch")
+    first = True
+    try:
+        while True:
+            try:
+                view = load_view(store)
+            except StoreUnavailableError as exc:
+                if first:
+                    unreachable(ctx, endpoints, exc)
+                click.echo(f"error: etcd unreachable ({exc}); retrying in {watch_s:g}s", err=True)
+            else:
+                render(view, watch_s is not None)
+            first = False
+            if watch_s is None:
+                return
+            time.sleep(watch_s)
+    except KeyboardInterrupt:
+        return
+
+
+def report_console() -> Console:
+    """A console for tables: terminal width on a terminal, wide enough not to truncate in a pipe."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _size(x: int | None) -> str:
+    return "-" if x is None else format_size(x)
+
+
+def _num(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render_top(doc: dict[str, Any], console: Console) -> None:
+    """Render the ``top`` document as two tables."""
+    leader = doc["leader"]
+    console.print(
+        f"leader: {leader['id']} (term {leader['term']})" if leader else "leader: none",
+        f"  revision {doc['revision']}",
+        f"  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(doc['at']))}",
+    )
+    jobs = Table(title="jobs", title_justify="left", box=None, pad_edge=False)
+    for col in ("JOB", "STATE", "QOS", "SLICES", "STEP/S", "PHASES D F B O C", "MEM PEAK/QUOTA", "UTIL",
+                "GPU-H", "COST $", "$/H"):
+        jobs.add_column(col, no_wrap=True)
+    for r in doc["jobs"]:
+        bar = phase_bar(r["phase_fraction"]) if r["phase_fraction"] else "-"
+        jobs.add_row(
+            r["job"],
+            r["state"],
+            r["qos"] or "-",
+            str(r["slices"]),
+            _num(r["steps_per_s"]),
+            f"[{bar}] {r['dominant_phase'] or ''}".rstrip(),
+            f"{_size(r['memory_peak_bytes'])}/{_size(r['memory_quota_bytes'])}",
+            _pct(r["gpu_util"]),
+            _num(r["gpu_seconds"] / 3600.0),
+            _num(r["cost_usd"]),
+            _num(r["cost_usd_per_hour"]),
+        )
+    console.print(jobs)
+    gpus = Table(title="gpus", title_justify="left", box=None, pad_edge=False)
+    for col in ("GPU", "MODEL", "HEALTH", "MEM ALLOC/TOTAL", "MEM USED", "COMPUTE", "UTIL", "JOBS"):
+        gpus.add_column(col, no_wrap=True)
+    for g in doc["gpus"]:
+        health = "ok" if g["healthy"] else "UNHEALTHY"
+        if g["cordoned"]:
+            health += ",cordoned"
+        gpus.add_row(
+            f"{g['node']}/{g['index']}",
+            g["model"],
+            health,
+            f"{_size(g['memory_allocated_bytes'])}/{_size(g['memory_bytes'])}",
+            _size(g["memory_used_bytes"]),
+            _pct(g["compute_allocated"]),
+            _pct(g["util"]),
+            ",".join(g["jobs"]) or "-",
+        )
+    console.print(gpus)
+
+
+@click.command("top")
+@endpoints_option
+@prefix_option
+@output_option
+@watch_option
+@prices_option
+@timeout_option
+@click.pass_context
+def top(
+    ctx: click.Context,
+    endpoints: str | None,
+    prefix: str | None,
+    output: str,
+    watch_s: float | None,
+    prices_path: Path | None,
+    timeout_s: float,
+) -> None:
+    """Live per-job and per-GPU utilisation, memory, cost.
+
+    \b
+    Examples:
+        gpupool top                 # one table of jobs, one of GPUs
+        gpupool top -w 2            # refresh every 2 s until Ctrl-C
+        gpupool top -o json         # the same as JSON, for scripts
+    """
+    prices = load_prices(prices_path)
+    console = report_console()
+
+    def render(view: PoolView, watching: bool) -> None:
+        doc = top_report(view, prices)
+        if output == "json":
+            echo_json(doc)
+        else:
+            if watching:
+                console.clear()
+            render_top(doc, console)
+        report_errors(view.errors)
+
+    with open_store(endpoints, prefix, timeout_s) as store:
+        watch_loop(ctx, endpoints, store, watch_s, render)

@@ -1,0 +1,60 @@
+"""Small builders of pool records shared by the telemetry tests."""
+
+from __future__ import annotations
+
+from gpupool_sdk.resources import Allocation, GiB, GpuHealth, GpuInfo, JobSpec, JobState, JobStatus, QoS
+from gpupool_sdk.telemetry.pricing import PriceTable
+from gpupool_sdk.telemetry.summary import SliceTelemetry, TelemetrySummary
+
+NOW = 1_800_000_000.0
+
+
+def gpu(uuid: str = "GPU-a0", node: str = "node-a", index: int = 0, model: str = "H100-80GB",
+        memory_gib: int = 80, healthy: bool = True) -> GpuInfo:
+    return GpuInfo(
+        uuid=uuid, node=node, index=index, model=model, memory_bytes=memory_gib * GiB,
+        health=GpuHealth(healthy=healthy, reasons=() if healthy else ("xid 79",)),
+    )
+
+
+def alloc(job: str, gpu_uuid: str = "GPU-a0", memory_gib: float = 20, share: float = 0.5,
+          mode: QoS = QoS.GUARANTEED, node: str = "node-a", granted_at: float = NOW - 600) -> Allocation:
+    return Allocation(job=job, node=node, gpu_uuid=gpu_uuid, gpu_index=0, memory_bytes=int(memory_gib * GiB),
+                      compute_share=share, mode=mode, term=1, granted_at=granted_at)
+
+
+def spec(name: str, memory: str = "20GiB", share: float = 0.5, qos: str = "guaranteed", gpus: int = 1,
+         priority: int = 5, owner: str = "team-a") -> JobSpec:
+    return JobSpec(name=name, gpus=gpus, memory=memory if qos != "exclusive" else 0, compute_share=share,
+                   qos=qos, priority=priority, owner=owner)
+
+
+def status(state: JobState = JobState.GRANTED) -> JobStatus:
+    return JobStatus(state=state, reason="", updated_at=NOW - 600, term=1)
+
+
+def telemetry(job: str, *, data: float = 0.05, forward: float = 0.1, backward: float = 0.2,
+              optimizer: float = 0.03, checkpoint: float = 0.0, other: float = 0.02,
+              peak_gib: float | None = 15, util: float | None = 0.8, gpu_uuid: str = "GPU-a0",
+              steps_per_s: float = 2.5, last_step_at: float | None = NOW - 1,
+              published_at: float = NOW - 2) -> TelemetrySummary:
+    peak = None if peak_gib is None else int(peak_gib * GiB)
+    return TelemetrySummary.build(
+        job,
+        step=1234,
+        steps_per_s=steps_per_s,
+        window_s=30.0,
+        phase_seconds={"data": data, "forward": forward, "backward": backward, "optimizer": optimizer,
+                       "checkpoint": checkpoint, "other": other},
+        memory_peak_by_phase={"backward": peak} if peak else None,
+        slices=[SliceTelemetry(gpu_uuid, memory_used_bytes=peak, util=util, memory_peak_bytes=peak)],
+        gpu_util=util,
+        last_step_at=last_step_at,
+        published_at=published_at,
+    )
+
+
+def prices(models: dict[str, float] | None = None, default: float | None = None) -> PriceTable:
+    """A price table independent of the catalog and the environment (H100-80GB at $4/h by default)."""
+    table = {"H100-80GB": 4.0} if models is None else models
+    return PriceTable(overrides=table, default_per_hour_usd=default, catalog=lambda m: None)
