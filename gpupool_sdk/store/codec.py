@@ -43,8 +43,12 @@ def encode(record: Record | Mapping[str, Any], kind: str | None = None) -> bytes
     return json.dumps({"schema": SCHEMA_VERSION, "kind": k, **body}, sort_keys=True, separators=(",", ":")).encode()
 
 
-def decode_dict(key: str, raw: bytes | str) -> dict[str, Any]:
-    """Parse raw bytes into the JSON body (without ``schema``/``kind``), checking the schema version."""
+def decode_dict(key: str, raw: bytes | str, keep_kind: bool = False) -> dict[str, Any]:
+    """Parse raw bytes into the JSON body (without ``schema``/``kind``), checking the schema version.
+
+    ``keep_kind`` keeps ``kind`` for records that have a field of that name (``Directive``): their
+    own ``kind`` overrides the envelope's when encoded.
+    """
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -56,13 +60,14 @@ def decode_dict(key: str, raw: bytes | str) -> dict[str, Any]:
         raise SchemaError(
             key, f"schema version {schema!r} is not {SCHEMA_VERSION}; written by another release or by hand"
         )
-    obj.pop("kind", None)
+    if not keep_kind:
+        obj.pop("kind", None)
     return obj
 
 
 def decode(key: str, raw: bytes | str, cls: type[R]) -> R:
     """Parse raw bytes into ``cls`` via ``cls.from_dict``; every failure is a :class:`SchemaError`."""
-    body = decode_dict(key, raw)
+    body = decode_dict(key, raw, keep_kind="kind" in getattr(cls, "__dataclass_fields__", {}))
     try:
         return cls.from_dict(body, where=key.rsplit("/", 1)[-1])  # type: ignore[attr-defined,no-any-return]
     except SpecError as exc:
