@@ -1,0 +1,244 @@
+"""Scenario harness: real etcd, real ``gpupool coordinator`` processes, simulated GPUs, job clients.
+
+* Coordinators are ``python -m gpupool_sdk.cli.main coordinator`` subprocesses (killed with real
+  signals) with small timings: TTL 3 s, loop_wait 0.5 s.
+* GPUs come from a real ``gpupool agent --simulate`` subprocess when the agent command exists,
+  else they are published from the test under a lease of their own, exactly as the agent would.
+* Jobs follow the lease protocol with direct store writes (:class:`Job`): spec created if absent
+  under the job's own lease, ack of directives, release by revoking the lease.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.errors import StoreError
+from gpupool_sdk.inventory.simulated import parse_cluster_spec
+from gpupool_sdk.resources import Ack, Allocation, Directive, JobSpec, JobState, JobStatus, LeaderRecord, NodeInfo
+from gpupool_sdk.store import EtcdStore, LeaseKeeper
+from gpupool_sdk.store.codec import decode, decode_dict
+from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.store.records import ResumeRecord
+from scenarios.invariants import check_invariants
+
+T = TypeVar("T")
+
+COORD_TTL = 3
+LOOP_WAIT = 0.5
+JOB_TIMING = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
+DEADLINE = 30.0  # generous bound for conditions that normally hold within a second
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(cond: Callable[[], T], timeout: float = DEADLINE, what: str = "condition", interval: float = 0.05) -> T:
+    """Poll ``cond`` until it returns something truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Job:
+    """A training job speaking the lease protocol through the store (a client stand-in)."""
+
+    def __init__(self, pool: Pool, spec: JobSpec) -> None:
+        self.pool = pool
+        self.spec = spec
+        self.name = spec.name
+        self.lost = False
+        self.keeper = LeaseKeeper(pool.store, JOB_TIMING, on_lost=self._on_lost)
+        self.lease = self.keeper.start()
+        created = pool.store.create(pool.keys.job_spec(spec.name), spec, lease=self.lease)
+        assert created, f"job {spec.name} already exists"
+
+    def _on_lost(self, reason: object) -> None:
+        self.lost = True
+
+    def status(self) -> JobStatus | None:
+        got = self.pool.store.get_record(self.pool.keys.job_status(self.name), JobStatus)
+        return got[0] if got else None
+
+    def state(self) -> JobState | None:
+        s = self.status()
+        return s.state if s else None
+
+    def wait_state(self, *states: JobState, timeout: float = DEADLINE) -> JobStatus:
+        def check() -> JobStatus | None:
+            s = self.status()
+            return s if s is not None and s.state in states else None
+
+        return wait_for(check, timeout, f"{self.name} to be {'/'.join(s.value for s in states)} (now {self.status()})")
+
+    def allocations(self) -> list[Allocation]:
+        return [a for a in self.pool.allocations() if a.job == self.name]
+
+    def directive(self) -> Directive | None:
+        got = self.pool.store.get_record(self.pool.keys.directive(self.name), Directive)
+        return got[0] if got else None
+
+    def wait_directive(self, timeout: float = DEADLINE) -> Directive:
+        return wait_for(self.directive, timeout, f"a directive to {self.name}")
+
+    def ack(self, directive: Directive, step: int = 100, checkpoint: str | None = None) -> None:
+        ack = Ack(seq=directive.seq, step=step, checkpoint=checkpoint or f"/ckpt/{self.name}/step{step}.ckpt", at=time.time())
+        self.pool.store.put(self.pool.keys.ack(self.name), ack, lease=self.lease)
+
+    def alive(self) -> bool:
+        return self.pool.store.lease_info(self.lease) is not None
+
+    def release(self) -> None:
+        """Finish (or give up after a preemption): revoke the lease, every key of the job goes."""
+        self.keeper.stop(revoke=True)
+
+
+class Pool:
+    """One scenario's pool: its own key prefix on the session etcd, its processes, its jobs."""
+
+    def __init__(self, endpoint: str, keys: Keyspace, tmp_path: Path) -> None:
+        self.endpoint = endpoint
+        self.keys = keys
+        self.tmp_path = tmp_path
+        self.store = EtcdStore(endpoint, keyspace=keys)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.keepers: list[LeaseKeeper] = []
+        self.jobs: list[Job] = []
+
+    # processes --------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        p = subprocess.Popen(
+            [sys.executable, "-m", "gpupool_sdk.cli.main", *args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+        )
+        self.procs.append(p)
+        return p
+
+    def coordinator(self, cid: str, *extra: str) -> subprocess.Popen[bytes]:
+        """Start a coordinator replica with the scenario timings (TTL 3 s, loop_wait 0.5 s)."""
+        return self._spawn(
+            f"coordinator-{cid}",
+            ["coordinator", "--endpoints", self.endpoint, "--prefix", self.keys.prefix, "--id", cid,
+             "--ttl", str(COORD_TTL), "--loop-wait", str(LOOP_WAIT), "--log-level", "info", *extra],
+        )
+
+    def log(self, name: str) -> str:
+        path = self.tmp_path / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def gpus(self, spec: str) -> list[str]:
+        """Make GPUs appear as an agent with ``--simulate spec`` would; returns their UUIDs in order."""
+        infos = parse_cluster_spec(spec)
+        if importlib.util.find_spec("gpupool_sdk.cli.agent_cmd") is not None and os.environ.get("GPUPOOL_TEST_NO_AGENT") != "1":
+            self._spawn(f"agent-{len(self.procs)}", ["agent", "--endpoints", self.endpoint, "--prefix", self.keys.prefix,
+                                                      "--simulate", spec])
+            want = {g.uuid for g in infos}
+            wait_for(lambda: want <= set(self.gpu_uuids()), what=f"the agent to publish {spec}")
+        else:
+            keeper = LeaseKeeper(self.store, JOB_TIMING, on_lost=lambda e: None)
+            lease = keeper.start()
+            self.keepers.append(keeper)
+            nodes: dict[str, int] = {}
+            for g in infos:
+                self.store.put(self.keys.gpu(g.node, g.uuid), g, lease=lease)
+                nodes[g.node] = nodes.get(g.node, 0) + 1
+            for node, n in nodes.items():
+                info = NodeInfo(name=node, hostname="test", agent_pid=os.getpid(), gpu_count=n, backend="simulated",
+                                started_at=time.time())
+                self.store.put(self.keys.node(node), info, lease=lease)
+        return [g.uuid for g in infos]
+
+    # jobs -------------------------------------------------------------------
+
+    def submit(self, name: str, **kw: Any) -> Job:
+        job = Job(self, JobSpec(name=name, **kw))
+        self.jobs.append(job)
+        return job
+
+    # reads ------------------------------------------------------------------
+
+    def gpu_uuids(self) -> list[str]:
+        kvs, _ = self.store.get_prefix(self.keys.gpus_prefix())
+        return [kv.key.rsplit("/", 1)[-1] for kv in kvs]
+
+    def allocations(self) -> list[Allocation]:
+        return [a for a, _ in self.store.list_records(self.keys.allocations_prefix(), Allocation)]
+
+    def leader(self) -> LeaderRecord | None:
+        got = self.store.get_record(self.keys.leader(), LeaderRecord)
+        return got[0] if got else None
+
+    def term_counter(self) -> int:
+        kv = self.store.get(self.keys.term())
+        return int(decode_dict(kv.key, kv.value)["term"]) if kv else 0
+
+    def resume(self, job: str) -> ResumeRecord | None:
+        kv = self.store.get(self.keys.checkpoint(job))
+        return decode(kv.key, kv.value, ResumeRecord) if kv else None
+
+    def wait_leader(self, timeout: float = DEADLINE) -> LeaderRecord:
+        return wait_for(self.leader, timeout, "a coordinator to lead")
+
+    def check(self, overcommit_ratio: float = 1.0) -> None:
+        check_invariants(self.store, overcommit_ratio)
+
+    # teardown ---------------------------------------------------------------
+
+    def close(self) -> None:
+        for job in self.jobs:
+            try:
+                job.keeper.stop(revoke=True)
+            except StoreError:
+                pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        for k in self.keepers:
+            k.stop(revoke=True)
+        try:
+            self.store.delete_prefix(self.keys.root())
+        finally:
+            self.store.close()
+
+
+@pytest.fixture
+def pool(etcd_endpoint: str, keyspace: Keyspace, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pool]:
+    """A scenario pool; on failure the process logs are printed."""
+    p = Pool(etcd_endpoint, keyspace, tmp_path)
+    try:
+        yield p
+    finally:
+        rep = getattr(request.node, "rep_call", None)
+        if rep is not None and rep.failed:
+            for f in sorted(tmp_path.glob("*.log")):
+                sys.stderr.write(f"\n----- {f.name} (tail) -----\n{f.read_text(errors='replace')[-4000:]}\n")
+        p.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)

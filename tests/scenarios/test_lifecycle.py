@@ -1,0 +1,109 @@
+"""Scenarios of one job's life: grant, queue, cooperative and forced preemption, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpupool_sdk.errors import SpecError
+from gpupool_sdk.resources import DirectiveKind, GiB, JobSpec, JobState
+
+from scenarios.conftest import Pool, wait_for
+
+
+def test_grant_puts_allocations_on_the_jobs_lease(pool: Pool) -> None:
+    pool.gpus("node-a:2xH100-80GB:nvlink")
+    pool.coordinator("c1")
+    leader = pool.wait_leader()
+    job = pool.submit("bert", gpus=2, memory="30GiB", qos="guaranteed", priority=10)
+    status = job.wait_state(JobState.GRANTED)
+    assert status.gpus == 2 and status.term == leader.term
+    allocs = job.allocations()
+    assert len(allocs) == 2 and {a.memory_bytes for a in allocs} == {30 * GiB}
+    assert all(a.term == leader.term for a in allocs)
+    info = pool.store.lease_info(job.lease)
+    assert info is not None
+    assert {pool.keys.allocation(a.node, a.gpu_uuid, "bert") for a in allocs} <= set(info.keys)
+    assert pool.keys.job_status("bert") in info.keys
+    pool.check()
+    # The job dies: its lease goes and so do its grants, with no coordinator action needed.
+    job.release()
+    wait_for(lambda: not pool.allocations(), what="the grants to vanish with the lease")
+    pool.check()
+
+
+def test_queueing_when_full_then_grant_when_freed(pool: Pool) -> None:
+    pool.gpus("node-a:1xA100-40GB:pcie")
+    pool.coordinator("c1", "--no-preemption")
+    first = pool.submit("first", gpus=1, qos="exclusive")
+    first.wait_state(JobState.GRANTED)
+    second = pool.submit("second", gpus=1, qos="exclusive", priority=5)
+    queued = second.wait_state(JobState.PENDING)
+    assert queued.reason, "a queued job says what it waits for"
+    pool.check()
+    first.release()
+    second.wait_state(JobState.GRANTED)
+    pool.check()
+
+
+def test_preemption_with_ack_then_high_priority_grant(pool: Pool) -> None:
+    pool.gpus("node-a:1xH100-80GB:pcie")
+    pool.coordinator("c1")
+    low = pool.submit("low", gpus=1, qos="exclusive", priority=1, preempt_grace_s=60)
+    low.wait_state(JobState.GRANTED)
+    high = pool.submit("high", gpus=1, qos="exclusive", priority=10)
+    d = low.wait_directive()
+    assert d.kind is DirectiveKind.PREEMPT and d.seq >= 1
+    assert low.wait_state(JobState.PREEMPTING).reason
+    assert high.state() is not JobState.GRANTED  # nobody is granted a slice still held
+    pool.check()
+    low.ack(d, step=1234, checkpoint="/ckpt/low/step1234.ckpt")
+    suspended = low.wait_state(JobState.SUSPENDED)
+    assert suspended.last_checkpoint is not None and suspended.last_checkpoint.step == 1234
+    high.wait_state(JobState.GRANTED)
+    resume = wait_for(lambda: pool.resume("low"), what="checkpoints/low")
+    assert resume.last_checkpoint is not None and resume.last_checkpoint.path == "/ckpt/low/step1234.ckpt"
+    assert resume.preemptions == 1
+    assert not low.allocations() and low.directive() is None
+    pool.check()
+
+
+def test_forced_revoke_after_a_missed_deadline(pool: Pool) -> None:
+    pool.gpus("node-a:1xH100-80GB:pcie")
+    pool.coordinator("c1")
+    stubborn = pool.submit("stubborn", gpus=1, qos="exclusive", priority=1, preempt_grace_s=1.0)
+    stubborn.wait_state(JobState.GRANTED)
+    urgent = pool.submit("urgent", gpus=1, qos="exclusive", priority=10)
+    d = stubborn.wait_directive()
+    assert d.kind is DirectiveKind.PREEMPT
+    # No ack: after the deadline the coordinator revokes the job's etcd lease.
+    wait_for(lambda: not stubborn.alive(), what="the stubborn job's lease to be revoked")
+    assert stubborn.state() is None  # every key of the job vanished with its lease
+    urgent.wait_state(JobState.GRANTED)
+    resume = wait_for(lambda: pool.resume("stubborn"), what="checkpoints/stubborn")
+    assert resume.preemptions == 1
+    pool.check()
+
+
+def test_invalid_spec_is_rejected_before_anything_is_written(pool: Pool) -> None:
+    with pytest.raises(SpecError, match="memory"):
+        JobSpec(name="bad", gpus=1, memory="lots", qos="guaranteed")
+    with pytest.raises(SpecError, match="gpus"):
+        JobSpec(name="bad", gpus=0, memory="1GiB")
+    with pytest.raises(SpecError, match="name"):
+        JobSpec(name="Bad Name!", gpus=1, memory="1GiB")
+    kvs, _ = pool.store.get_prefix(pool.keys.root())
+    assert kvs == []
+
+
+def test_impossible_specs_are_rejected_with_the_reason(pool: Pool) -> None:
+    pool.gpus("node-a:2xA100-40GB:pcie")
+    pool.coordinator("c1")
+    too_big = pool.submit("too-big", gpus=1, memory="60GiB", qos="guaranteed")
+    no_feature = pool.submit("no-fp8", gpus=1, memory="10GiB", qos="guaranteed", features=("fp8",))
+    too_many = pool.submit("too-many", gpus=4, memory="10GiB", qos="guaranteed")
+    ok = pool.submit("fits", gpus=1, memory="10GiB", qos="guaranteed")
+    assert "memory" in too_big.wait_state(JobState.REJECTED).reason.lower() or "GiB" in too_big.status().reason  # type: ignore[union-attr]
+    assert "fp8" in no_feature.wait_state(JobState.REJECTED).reason
+    assert too_many.wait_state(JobState.REJECTED).reason
+    ok.wait_state(JobState.GRANTED)
+    pool.check()
