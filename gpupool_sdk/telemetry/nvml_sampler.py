@@ -119,7 +119,7 @@ class NvmlSampler:
         self._nvml = nvml
         self._handles: list[tuple[str, Any]] = []
         self._last_ts: dict[str, int] = {}
-        self._proc_util_supported = True
+        self._proc_util_unsupported: set[str] = set()
         self._window: deque[NvmlSnapshot] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -237,7 +237,7 @@ class NvmlSampler:
         )
 
     def _process_util(self, nv: Any, uuid: str, handle: Any, nvml_error: type[BaseException]) -> float | None:
-        if not self._proc_util_supported:
+        if uuid in self._proc_util_unsupported:
             return None
         last = self._last_ts.get(uuid, 0)
         try:
@@ -245,7 +245,7 @@ class NvmlSampler:
         except nvml_error as exc:
             not_supported = getattr(nv, "NVMLError_NotSupported", None)
             if not_supported is not None and isinstance(exc, not_supported):
-                self._proc_util_supported = False
+                self._proc_util_unsupported.add(uuid)
             return None  # NotFound: no samples since ``last`` (the job was idle or not yet running)
         ours = [r for r in rows if r.pid in self._pids]
         if rows:
