@@ -15,44 +15,12 @@ import argparse
 import json
 import os
 import sys
-import time
-from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import TensorDataset
 
-from gpupool_sdk.integrations.lightning import GpuPoolCallback, ResumableDataLoader
-
-
-class TinyRegressor(pl.LightningModule):
-    """A two-layer MLP on synthetic data; ``step_sleep`` stands in for real GPU work."""
-
-    def __init__(self, seed: int, samples: int, batch_size: int, num_workers: int, step_sleep: float) -> None:
-        super().__init__()
-        self.seed, self.samples, self.batch_size = seed, samples, batch_size
-        self.num_workers, self.step_sleep = num_workers, step_sleep
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        if self.step_sleep:
-            time.sleep(self.step_sleep)
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
-    def train_dataloader(self) -> ResumableDataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        x = torch.randn(self.samples, 16, generator=g)
-        y = x[:, :1] * 2.0 - x[:, 1:2] + 0.1 * torch.randn(self.samples, 1, generator=g)
-        kwargs: dict[str, Any] = {}
-        if self.num_workers:
-            kwargs["multiprocessing_context"] = "fork"
-        return ResumableDataLoader(
-            TensorDataset(x, y), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers, **kwargs
-        )
+from gpupool_sdk.demo.job import TinyRegressor  # a two-layer MLP on synthetic data
+from gpupool_sdk.integrations.lightning import GpuPoolCallback
 
 
 def main(argv: list[str] | None = None) -> int:

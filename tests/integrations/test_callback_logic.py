@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -11,12 +10,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from gpupool_sdk.demo.job import TinyRegressor
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.integrations.lightning import GpuPoolCallback, PoolLeaseLostError
 from gpupool_sdk.resources import Checkpoint, Directive, DirectiveKind
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from lightning_train import TinyRegressor  # noqa: E402
 
 
 class FakeLease:
