@@ -1,0 +1,461 @@
+"""``PoolClient``: the training process's handle on the pool.
+
+All etcd/gRPC I/O runs in an I/O helper process (:mod:`gpupool_sdk.client.helper`) started as a
+fresh interpreter, never forked; this process only exchanges small pickled messages with it over
+a local pipe. So the training process never loads gRPC, forks DataLoader workers safely, and the
+lease stays alive even while the training thread holds the GIL.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from typing import Any
+
+from gpupool_sdk.client.lease import Lease
+from gpupool_sdk.client.protocol import HelperDiedError, unpack_error
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.errors import ConfigError, GpupoolError
+from gpupool_sdk.resources import Checkpoint, JobSpec, JobStatus
+from gpupool_sdk.store.endpoints import parse_endpoints
+from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.store.records import TelemetryRecord
+
+log = logging.getLogger(__name__)
+
+NODE_ENV = "GPUPOOL_NODE"
+
+# Forked children (DataLoader workers) must not keep the helper's pipe open: the helper treats
+# EOF as "the training process died". Close the inherited copies right after fork.
+_LIVE_CLIENTS: weakref.WeakSet[PoolClient] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_LIVE_CLIENTS):
+        client._drop_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@dataclass
+class _Pending:
+    event: threading.Event
+    result: Any = None
+    error: GpupoolError | None = None
+
+
+class _QueueConn:
+    """One end of an in-process channel, with the Connection methods the helper uses."""
+
+    def __init__(self, inbox: _Box, outbox: _Box) -> None:
+        self._in, self._out = inbox, outbox
+
+    def send(self, obj: Any) -> None:
+        self._out.put(obj)
+
+    def recv(self) -> Any:
+        return self._in.get()
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return self._in.wait(timeout)
+
+    def close(self) -> None:
+        self._out.close()
+        self._in.close()
+
+
+class _Box:
+    """A closable FIFO: ``get`` raises EOFError once closed and drained."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, obj: Any) -> None:
+        with self._cond:
+            if self._closed:
+                raise OSError("channel closed")
+            self._items.append(obj)
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._items) or self._closed, timeout)
+
+    def get(self) -> Any:
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._items) or self._closed)
+            if self._items:
+                return self._items.popleft()
+            raise EOFError
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class PoolClient:
+    """Submit jobs to the pool and hold their leases.
+
+    Args:
+        endpoints: etcd endpoints (``"h1:p1,h2:p2"``); default ``$GPUPOOL_ENDPOINTS`` or ``127.0.0.1:2379``.
+        prefix: key prefix of the pool; default ``$GPUPOOL_PREFIX`` or ``/gpupool/v1``.
+        timing: lease TTL, keepalive interval and retry deadline (default :meth:`LeaseTiming.from_env`).
+        in_process: run the I/O side in threads of this process instead of a helper process.
+            For the coordinator's tests and benchmarks only: it loads gRPC here and is not fork-safe.
+        node: this machine's node name, to pick its slices for :attr:`Lease.visible_devices`
+            (default ``$GPUPOOL_NODE`` or the host name).
+        timeout_s: deadline of one etcd call and of a request to the helper.
+        telemetry_interval_s: at most one telemetry write per job per this many seconds.
+
+    Example:
+        >>> from gpupool_sdk import PoolClient, JobSpec
+        >>> with PoolClient(endpoints="127.0.0.1:2379") as pool:                  # doctest: +SKIP
+        ...     lease = pool.acquire(JobSpec(name="bert-ft", gpus=2, memory="30GiB"), timeout=600)
+        ...     print(lease.allocations, lease.etcd_lease_id)
+        ...     lease.release()
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str] | None = None,
+        prefix: str | None = None,
+        timing: LeaseTiming | None = None,
+        in_process: bool = False,
+        node: str | None = None,
+        timeout_s: float = 5.0,
+        telemetry_interval_s: float = 1.0,
+    ) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.keys = Keyspace.from_env(prefix)
+        if timing is not None and not isinstance(timing, LeaseTiming):
+            raise ConfigError("timing", f"expected a LeaseTiming, got {type(timing).__name__}")
+        self.timing = timing if timing is not None else LeaseTiming.from_env()
+        if not timeout_s > 0:
+            raise ConfigError("timeout_s", f"must be > 0 seconds, got {timeout_s}")
+        if telemetry_interval_s < 0:
+            raise ConfigError("telemetry_interval_s", f"must be >= 0 seconds, got {telemetry_interval_s}")
+        self.timeout_s = float(timeout_s)
+        self.telemetry_interval_s = float(telemetry_interval_s)
+        self.in_process = in_process
+        self.node = node or os.environ.get(NODE_ENV) or socket.gethostname()
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._conn: Any = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._helper_thread: threading.Thread | None = None
+        self._reader: threading.Thread | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._leases: dict[str, Lease] = {}  # granted and held
+        self._routes: dict[str, Lease] = {}  # every job messages may be about (acquiring or held)
+        self._telemetry: dict[str, TelemetryRecord] = {}
+        self._telemetry_wake = threading.Event()
+        self._telemetry_thread: threading.Thread | None = None
+        self._closed = False
+        self.helper_pid: int | None = None
+
+    # ------------------------------------------------------------------ helper lifecycle
+
+    def _ensure_helper(self) -> None:
+        if os.getpid() != self._pid:
+            raise GpupoolError(
+                "this PoolClient belongs to the process that created it; a forked child cannot use it "
+                "(create a new PoolClient in the child if it really needs the pool)"
+            )
+        if self._closed:
+            raise GpupoolError("the PoolClient is closed; create a new one")
+        with self._lock:
+            if self._conn is not None:
+                return
+            cfg = {
+                "endpoints": list(self.endpoints),
+                "prefix": self.keys.prefix,
+                "timing": self.timing,
+                "timeout_s": self.timeout_s,
+                "parent_pid": None if self.in_process else os.getpid(),
+                "log_level": os.environ.get("GPUPOOL_HELPER_LOG_LEVEL"),
+            }
+            if self.in_process:
+                self._start_in_process(cfg)
+            else:
+                self._start_process(cfg)
+            self._reader = threading.Thread(target=self._read_loop, name="gpupool-client-reader", daemon=True)
+            self._reader.start()
+            self._telemetry_thread = threading.Thread(target=self._telemetry_loop, name="gpupool-client-telemetry", daemon=True)
+            self._telemetry_thread.start()
+        _LIVE_CLIENTS.add(self)
+
+    def _start_process(self, cfg: dict[str, Any]) -> None:
+        ours, theirs = Pipe(duplex=True)
+        fd = theirs.fileno()
+        # A fresh interpreter (fork+exec, no Python runs in between): nothing of this process's
+        # state, gRPC or otherwise, reaches the helper, and the user's __main__ is not re-imported.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gpupool_sdk.client.helper", str(fd)],
+            pass_fds=(fd,),
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        ours.send(cfg)
+        deadline = time.monotonic() + max(60.0, self.timeout_s)
+        while not ours.poll(0.1):
+            if self._proc.poll() is not None:
+                raise HelperDiedError(f"the client's I/O helper exited with code {self._proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise HelperDiedError("the client's I/O helper did not start in time")
+        hello = ours.recv()
+        self.helper_pid = int(hello["pid"])
+        self._conn = ours
+
+    def _start_in_process(self, cfg: dict[str, Any]) -> None:
+        from gpupool_sdk.client.helper import Helper
+        from gpupool_sdk.store.etcd_store import EtcdStore
+
+        a, b = _Box(), _Box()
+        ours, theirs = _QueueConn(a, b), _QueueConn(b, a)
+        store = EtcdStore(cfg["endpoints"], keyspace=Keyspace(cfg["prefix"]), timeout_s=cfg["timeout_s"])
+        helper = Helper(theirs, store, cfg["timing"], parent_pid=None)
+
+        def run() -> None:
+            try:
+                helper.run()
+            finally:
+                store.close()
+                theirs.close()
+
+        self._helper_thread = threading.Thread(target=run, name="gpupool-client-io", daemon=True)
+        self._helper_thread.start()
+        self.helper_pid = os.getpid()
+        self._conn = ours
+
+    def _drop_after_fork(self) -> None:
+        # In a forked child: forget the parent's helper without telling it anything.
+        conn, self._conn = self._conn, None
+        self._closed = True
+        if isinstance(conn, Connection):
+            with contextlib.suppress(OSError):
+                os.close(conn.fileno())
+
+    # ------------------------------------------------------------------ messaging
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            conn = self._conn
+            if conn is None:
+                raise HelperDiedError("the client's I/O helper is not running")
+            try:
+                conn.send(msg)
+            except (OSError, EOFError, BrokenPipeError) as exc:
+                raise HelperDiedError(f"the client's I/O helper is gone ({exc})") from None
+
+    def _request(self, msg: dict[str, Any], timeout: float | None = -1.0) -> Any:
+        """Send a request and wait for its reply (``timeout`` -1: the client's timeout_s; None: forever)."""
+        self._ensure_helper()
+        req_id = next(self._ids)
+        pending = _Pending(threading.Event())
+        self._pending[req_id] = pending
+        try:
+            self._send({**msg, "id": req_id})
+            limit = self.timeout_s * 3 if timeout == -1.0 else timeout
+            if not pending.event.wait(limit):
+                raise GpupoolError(f"the client's I/O helper did not answer {msg['op']} within {limit:g}s")
+        finally:
+            self._pending.pop(req_id, None)
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def _read_loop(self) -> None:
+        conn = self._conn
+        reason: GpupoolError | None = None
+        while True:
+            try:
+                msg = conn.recv()
+            except (OSError, EOFError):
+                break
+            try:
+                self._dispatch(msg)
+            except Exception:
+                log.exception("client failed to handle %s", msg.get("op"))
+        if not self._closed:
+            code = self._proc.poll() if self._proc is not None else None
+            reason = HelperDiedError(
+                f"the client's I/O helper exited (code {code}); nothing keeps the leases alive, treating them as lost"
+            )
+            for lease in list(self._routes.values()):
+                lease._mark_lost(reason)
+            for p in list(self._pending.values()):
+                p.error = reason
+                p.event.set()
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "reply":
+            p = self._pending.get(msg["id"])
+            if p is None:
+                return
+            if msg["error"] is not None:
+                p.error = unpack_error(msg["error"])
+            else:
+                p.result = msg["result"]
+            p.event.set()
+            return
+        lease = self._routes.get(msg["job"])
+        if lease is None:
+            return
+        if op == "state":
+            lease._update(msg["status"], msg["allocations"])
+        elif op == "directive":
+            lease._push_directive(msg["directive"])
+        elif op == "lost":
+            lease._mark_lost(unpack_error(msg["error"]))
+
+    def _publish_telemetry(self, job: str, summary: dict[str, Any]) -> None:
+        self._telemetry[job] = TelemetryRecord(job=job, at=time.time(), summary=summary)
+        self._telemetry_wake.set()
+
+    def _telemetry_loop(self) -> None:
+        while not self._closed:
+            self._telemetry_wake.wait()
+            self._telemetry_wake.clear()
+            if self._closed:
+                return
+            for job in list(self._telemetry):
+                record = self._telemetry.pop(job, None)
+                if record is not None and job in self._leases:
+                    try:
+                        self._send({"op": "telemetry", "job": job, "record": record})
+                    except GpupoolError:
+                        return
+            # Coalesce: summaries published during this pause replace each other.
+            time.sleep(self.telemetry_interval_s)
+
+    def _forget(self, lease: Lease) -> None:
+        self._leases.pop(lease.job, None)
+        if self._routes.get(lease.job) is lease:
+            self._routes.pop(lease.job, None)
+
+    # ------------------------------------------------------------------ public API
+
+    def acquire(
+        self,
+        spec: JobSpec,
+        timeout: float | None = None,
+        on_status: Callable[[JobStatus], None] | None = None,
+    ) -> Lease:
+        """Submit ``spec`` under a new etcd lease and wait until the pool grants it.
+
+        Args:
+            spec: what the job needs.
+            timeout: seconds to wait for the grant (None: as long as it takes).
+            on_status: called with every status the leader writes for the job (queued reasons,
+                grant, preemption...), from the client's reader thread.
+
+        Returns:
+            The granted :class:`Lease`.
+
+        Raises:
+            JobAlreadyRunningError: a live job of the same name exists (the message names its lease).
+            JobRejectedError: the pool rejected the spec as impossible (the reason says why).
+            AcquireTimeoutError: not granted in time; the lease was revoked, nothing is left behind.
+            StoreUnavailableError: etcd could not be reached.
+        """
+        if not isinstance(spec, JobSpec):
+            raise ConfigError("spec", f"expected a JobSpec, got {type(spec).__name__}")
+        if timeout is not None and timeout < 0:
+            raise ConfigError("timeout", f"must be >= 0 seconds or None, got {timeout}")
+        if spec.name in self._routes:
+            from gpupool_sdk.client.protocol import JobAlreadyRunningError
+
+            raise JobAlreadyRunningError(f"job {spec.name!r} is already held by this client; release() it first")
+        self._ensure_helper()
+        lease = Lease(self, spec, lease_id=0, node=self.node)
+        lease._on_status = on_status
+        self._routes[spec.name] = lease
+        try:
+            # The helper enforces the grant timeout (and revokes); allow it time to answer.
+            wait = None if timeout is None else timeout + self.timeout_s * 3
+            result = self._request({"op": "acquire", "spec": spec, "timeout": timeout}, timeout=wait)
+        except BaseException as exc:
+            self._routes.pop(spec.name, None)
+            if not isinstance(exc, GpupoolError):
+                # Interrupted (Ctrl-C): make sure the helper drops the half-acquired job.
+                with contextlib.suppress(GpupoolError):
+                    self._send({"op": "release", "job": spec.name, "id": -1})
+            raise
+        # The helper sent the granted state before this reply, so the lease already holds it.
+        lease.etcd_lease_id = int(result["lease_id"])
+        self._leases[spec.name] = lease
+        return lease
+
+    def resume_info(self, job: str) -> Checkpoint | None:
+        """The last checkpoint the pool recorded for ``job`` (``checkpoints/{job}``), or None."""
+        record = self._request({"op": "resume_info", "job": job})
+        return record.last_checkpoint if record is not None else None
+
+    def resume_record(self, job: str) -> Any:
+        """The whole :class:`~gpupool_sdk.store.records.ResumeRecord` of ``job``, or None."""
+        return self._request({"op": "resume_info", "job": job})
+
+    @property
+    def leases(self) -> tuple[Lease, ...]:
+        """Leases held by this client now."""
+        return tuple(self._leases.values())
+
+    def close(self) -> None:
+        """Release every lease and stop the helper. Idempotent."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
+        for lease in list(self._leases.values()):
+            lease.release()
+        self._closed = True
+        self._telemetry_wake.set()
+        conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(GpupoolError):
+                self._send({"op": "close"})
+            if self._proc is not None:
+                try:
+                    self._proc.wait(timeout=self.timeout_s + self.timing.retry_timeout_s + 5)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            if self._helper_thread is not None:
+                self._helper_thread.join(self.timeout_s + 5)
+            conn.close()
+        _LIVE_CLIENTS.discard(self)
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort; close() is the contract
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None and getattr(self, "_pid", None) == os.getpid():
+            with contextlib.suppress(Exception):
+                self._conn.close()
