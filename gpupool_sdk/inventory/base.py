@@ -237,6 +237,7 @@ def simulated_backends(
     default_node: str | None = None,
     fault_file: str | os.PathLike[str] | None = None,
     thresholds: HealthThresholds | None = None,
+    auto_base: str | None = None,
 ) -> list[SimulatedBackend]:
     """One :class:`SimulatedBackend` per node of a ``--simulate`` spec.
 
@@ -245,8 +246,9 @@ def simulated_backends(
         default_node: name of a single unnamed node, base of auto-numbered names.
         fault_file: JSON fault file shared by every node (entries are keyed by GPU UUID).
         thresholds: health limits.
+        auto_base: base of auto-numbered node names, when it should differ from ``default_node``.
 
     Raises:
         SpecError: the spec is malformed.
     """
-    return [SimulatedBackend(d, fault_file, thresholds) for d in parse_nodes(spec, default_node)]
+    return [SimulatedBackend(d, fault_file, thresholds) for d in parse_nodes(spec, default_node, auto_base)]

@@ -18,7 +18,8 @@ Node names:
 
 - A named piece without a repeat is that node: ``node-a:4xT4``.
 - A repeat always numbers its nodes ``{base}-{i:02d}``; the base is the piece's name if given
-  (``rack:4*8xH100`` is ``rack-00`` .. ``rack-03``), else ``default_node``, else ``node``.
+  (``rack:4*8xH100`` is ``rack-00`` .. ``rack-03``), else ``auto_base`` (the agent's ``--node``
+  when given), else ``default_node``, else ``node``.
 - Unnamed pieces share one numbering across the spec (``2*4xT4,8xA10`` is ``node-00``,
   ``node-01``, ``node-02``), except a spec that is a single unnamed piece without a repeat, which
   is ``default_node`` itself (``node-00`` when no default is given).
@@ -104,12 +105,14 @@ def simulated_uuid(node: str, index: int) -> str:
     return f"GPU-sim-{node}-{index}"
 
 
-def parse_nodes(spec: str, default_node: str | None = None) -> list[NodeDecl]:
+def parse_nodes(spec: str, default_node: str | None = None, auto_base: str | None = None) -> list[NodeDecl]:
     """Parse a ``--simulate`` spec into node declarations (see the module docstring).
 
     Args:
         spec: the spec string.
         default_node: name of the node for a single unnamed piece, and base of auto-numbered names.
+        auto_base: base of auto-numbered names when it should differ from ``default_node`` (the
+            agent names a single node after the host but numbers several ``node-NN``).
 
     Raises:
         SpecError: a piece is malformed; the message names the piece and the fix.
@@ -117,10 +120,9 @@ def parse_nodes(spec: str, default_node: str | None = None) -> list[NodeDecl]:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise SpecError(FIELD, "is empty; declare GPUs such as '4xH100-80GB:nvlink' or 'node-a:8xA100-40GB:pcie'")
-    if default_node is not None and not _NAME_RE.match(default_node):
-        raise SpecError(
-            "node", f"{default_node!r} is not a valid node name; use letters, digits, '.', '_' or '-'"
-        )
+    for what, value in (("node", default_node), ("node", auto_base)):
+        if value is not None and not _NAME_RE.match(value):
+            raise SpecError(what, f"{value!r} is not a valid node name; use letters, digits, '.', '_' or '-'")
     pieces = [p.strip() for p in spec.split(",")]
     parsed = []
     for n, piece in enumerate(pieces):
@@ -130,7 +132,7 @@ def parse_nodes(spec: str, default_node: str | None = None) -> list[NodeDecl]:
         parsed.append(_parse_piece(piece, where))
 
     single = len(parsed) == 1 and parsed[0][0] is None and parsed[0][1] is None
-    auto_base = default_node or "node"
+    auto_base = auto_base or default_node or "node"
     auto_next = 0
     auto_total = sum((p[1] or 1) for p in parsed if p[0] is None)
     nodes: list[NodeDecl] = []
@@ -159,13 +161,14 @@ def parse_nodes(spec: str, default_node: str | None = None) -> list[NodeDecl]:
     return nodes
 
 
-def parse_cluster_spec(spec: str, default_node: str | None = None) -> list[GpuInfo]:
+def parse_cluster_spec(spec: str, default_node: str | None = None, auto_base: str | None = None) -> list[GpuInfo]:
     """Parse a ``--simulate`` spec into the GPUs it declares, node by node, in index order.
 
     Args:
         spec: e.g. ``"node-a:4xH100-80GB:nvlink,node-b:8xA100-40GB:pcie"`` or ``"4xT4"``.
         default_node: the node name for a single unnamed piece (the agent passes ``--node`` or the
             host name), and the base of auto-numbered names.
+        auto_base: base of auto-numbered names, when it should differ from ``default_node``.
 
     Returns:
         Every GPU, with ``simulated=True``, stable UUIDs, NVLink peers and islands, PCIe paths
@@ -178,7 +181,7 @@ def parse_cluster_spec(spec: str, default_node: str | None = None) -> list[GpuIn
         >>> [g.uuid for g in parse_cluster_spec("2xH100:nvlink", default_node="n1")]
         ['GPU-sim-n1-0', 'GPU-sim-n1-1']
     """
-    return [g for node in parse_nodes(spec, default_node) for g in node.gpus()]
+    return [g for node in parse_nodes(spec, default_node, auto_base) for g in node.gpus()]
 
 
 def _width(n: int) -> int:

@@ -128,3 +128,9 @@ def test_bad_default_node():
 def test_parse_nodes_declarations():
     decls = parse_nodes("a:8xH100:nvlink=2x4,b:2xT4")
     assert [(d.name, d.count, d.islands) for d in decls] == [("a", 8, (4, 4)), ("b", 2, ())]
+
+
+def test_auto_base_differs_from_default_node():
+    by = nodes_of(parse_cluster_spec("2*1xT4", default_node="myhost", auto_base="node"))
+    assert sorted(by) == ["node-00", "node-01"]
+    assert {g.node for g in parse_cluster_spec("1xT4", default_node="myhost", auto_base="node")} == {"myhost"}

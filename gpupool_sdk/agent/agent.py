@@ -1,0 +1,377 @@
+"""The node agent: publishes one node's GPUs under its own etcd lease and keeps them current.
+
+Keys (see :mod:`gpupool_sdk.store.keyspace`), all attached to the agent's lease:
+
+- ``nodes/{node}``: a :class:`~gpupool_sdk.resources.NodeInfo`.
+- ``gpus/{node}/{uuid}``: a :class:`~gpupool_sdk.resources.GpuInfo` per GPU, health included.
+
+Life cycle:
+
+1. :meth:`NodeAgent.start` grants a lease (a :class:`~gpupool_sdk.store.LeaseKeeper` keeps it
+   alive from its own thread) and publishes the node and every GPU in one transaction, taking
+   over keys a previous incarnation left behind and deleting GPUs the node no longer has.
+2. :meth:`NodeAgent.tick`, called by a loop every ``refresh_interval_s``, reads fresh health
+   from the backend and reconciles: it lists ``gpus/{node}/`` and rewrites only the GPUs whose
+   published value differs (changed health, a hand-edited or malformed value, a key deleted by
+   hand or attached to another lease); stray keys under the node's prefix are deleted.
+   Temperatures are published in whole degrees and power in steps of 5 W, so noise in the
+   readings does not rewrite keys on every refresh.
+3. If the lease is lost (etcd expired it after a partition, or someone revoked it), the agent
+   re-registers at once: a new lease and a full publish.
+4. :meth:`NodeAgent.stop` revokes the lease, so every key of the node vanishes at once. A
+   killed agent's keys vanish when the lease expires, one TTL later.
+
+Nothing the agent reads can crash it: a malformed value is reported with a warning and
+overwritten; an unreachable etcd is retried; a failing backend is reported and retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.errors import ConfigError, GpupoolError, LeaseLostError, SchemaError, StoreError
+from gpupool_sdk.inventory.base import InventoryBackend
+from gpupool_sdk.resources.gpu import GpuInfo, NodeInfo
+from gpupool_sdk.store.codec import decode
+from gpupool_sdk.store.etcd_store import EtcdStore, iter_chunks
+from gpupool_sdk.store.lease import LeaseKeeper
+from gpupool_sdk.store.types import Delete, KeyValue, Put
+
+log = logging.getLogger(__name__)
+
+#: Published temperatures are rounded to this many degrees C, power to this many watts.
+TEMPERATURE_STEP_C = 1.0
+POWER_STEP_W = 5.0
+#: After a failed etcd call, retry this soon (seconds) rather than after a full interval.
+RETRY_AFTER_S = 1.0
+_TXN_OPS = 128  # etcd's default cap on operations per transaction
+
+
+def _round_to(value: float | None, step: float) -> float | None:
+    return None if value is None else float(round(value / step) * step)
+
+
+def publishable(gpu: GpuInfo) -> GpuInfo:
+    """``gpu`` as the agent publishes it: readings rounded so that noise does not cause rewrites."""
+    h = gpu.health
+    return replace(
+        gpu,
+        health=replace(
+            h,
+            temperature_c=_round_to(h.temperature_c, TEMPERATURE_STEP_C),
+            power_w=_round_to(h.power_w, POWER_STEP_W),
+        ),
+    )
+
+
+class NodeAgent:
+    """Publishes one node (a backend) under its own etcd lease.
+
+    Args:
+        store: the etcd store (shared by several agents of one process is fine).
+        backend: the inventory of the node (simulated or NVML).
+        timing: TTL, keepalive interval and retry deadline of the agent's lease.
+        refresh_interval_s: seconds between health refreshes.
+        wake: event set when the agent needs attention before its next refresh (lease lost);
+            a process running several agents passes one shared event to all of them.
+
+    Raises:
+        ConfigError: ``refresh_interval_s`` is not a positive number.
+
+    Example:
+        >>> from gpupool_sdk.inventory import simulated_backends          # doctest: +SKIP
+        >>> agent = NodeAgent(store, simulated_backends("n:4xT4")[0], LeaseTiming())
+        >>> agent.start()
+        >>> agent.tick()   # call every refresh_interval_s
+        >>> agent.stop()   # revokes the lease: the node's keys vanish at once
+    """
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        backend: InventoryBackend,
+        timing: LeaseTiming,
+        refresh_interval_s: float = 5.0,
+        wake: threading.Event | None = None,
+    ) -> None:
+        r = refresh_interval_s
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+            raise ConfigError("refresh_interval_s", f"must be a positive number of seconds, got {r!r}")
+        self.store = store
+        self.backend = backend
+        self.timing = timing
+        self.refresh_interval_s = float(r)
+        self.node = backend.node
+        self.wake = wake if wake is not None else threading.Event()
+        self._keeper: LeaseKeeper | None = None
+        self._lease_lost = threading.Event()
+        self._next_at = 0.0
+        self._registered = False
+        self._health: dict[str, bool] = {}
+        self._warned: set[str] = set()
+        self.registrations = 0
+        self.refreshes = 0
+        self.writes = 0
+
+    # ---------------------------------------------------------------------------- public
+
+    @property
+    def lease_id(self) -> int | None:
+        """The current lease, or None when not registered."""
+        return self._keeper.lease_id if self._keeper is not None and self._registered else None
+
+    @property
+    def registered(self) -> bool:
+        """True while the node is published under a live lease (as far as the agent knows)."""
+        return self._registered and not self._lease_lost.is_set()
+
+    def start(self) -> int:
+        """Grant a lease and publish the node and its GPUs.
+
+        Returns:
+            The lease id.
+
+        Raises:
+            StoreUnavailableError: etcd cannot be reached.
+            StoreError: another etcd failure.
+        """
+        self._register()
+        assert self._keeper is not None
+        return self._keeper.lease_id
+
+    def tick(self) -> float:
+        """Do what is due: re-register after a lost lease, refresh health when the interval is up.
+
+        Never raises for etcd or backend failures (they are logged and retried soon).
+
+        Returns:
+            Seconds until the agent next needs a :meth:`tick`.
+        """
+        now = time.monotonic()
+        try:
+            if not self._registered or self._lease_lost.is_set():
+                if self._lease_lost.is_set():
+                    log.warning("node %s: lease lost; registering again", self.node)
+                self._register()
+                return self.refresh_interval_s
+            if now >= self._next_at:
+                self.refresh()
+            return max(0.0, self._next_at - time.monotonic())
+        except LeaseLostError as exc:
+            log.warning("node %s: lease lost (%s); registering again", self.node, exc)
+            self._lease_lost.set()
+            return 0.0
+        except StoreError as exc:
+            log.warning("node %s: etcd call failed (%s); retrying in %gs", self.node, exc, RETRY_AFTER_S)
+            self._next_at = time.monotonic() + RETRY_AFTER_S
+            return RETRY_AFTER_S
+        except Exception as exc:  # a backend or bug must not take the agent (and the node's GPUs) down
+            log.exception("node %s: refresh failed (%s); retrying in %gs", self.node, exc, self.refresh_interval_s)
+            self._next_at = time.monotonic() + self.refresh_interval_s
+            return self.refresh_interval_s
+
+    def refresh(self) -> int:
+        """Read health now and rewrite the GPUs whose published value differs.
+
+        Returns:
+            The number of keys written or deleted.
+
+        Raises:
+            LeaseLostError: the lease is gone (the caller re-registers).
+            StoreError: etcd failed.
+        """
+        lease = self._lease()
+        n = self._sync(lease, full=False)
+        self.refreshes += 1
+        self._next_at = time.monotonic() + self.refresh_interval_s
+        return n
+
+    def stop(self, revoke: bool = True) -> None:
+        """Stop keeping the lease alive; with ``revoke`` the node's keys vanish at once.
+
+        Never raises: with etcd unreachable the keys vanish when the lease expires.
+        """
+        keeper, self._keeper = self._keeper, None
+        self._registered = False
+        if keeper is not None:
+            keeper.stop(revoke=revoke)
+            if revoke:
+                log.info("node %s: lease %x revoked; its keys are gone", self.node, keeper.lease_id)
+
+    # ---------------------------------------------------------------------------- internals
+
+    def _on_lost(self, reason: GpupoolError) -> None:
+        # Called from the keeper thread: only flag it; the agent's loop re-registers.
+        self._lease_lost.set()
+        self.wake.set()
+
+    def _lease(self) -> int:
+        if self._keeper is None or not self._registered:
+            raise LeaseLostError(f"node {self.node} is not registered")
+        if self._lease_lost.is_set():
+            raise LeaseLostError(f"lease {self._keeper.lease_id:x} of node {self.node} was lost")
+        return self._keeper.lease_id
+
+    def _register(self) -> None:
+        old, self._keeper = self._keeper, None
+        self._registered = False
+        if old is not None:
+            old.stop(revoke=True)  # best effort: a lease we gave up must not keep stale keys alive
+        self._lease_lost.clear()
+        keeper = LeaseKeeper(self.store, self.timing, on_lost=self._on_lost)
+        lease = keeper.start()
+        self._keeper = keeper
+        self._registered = True
+        try:
+            self._sync(lease, full=True)
+        except BaseException:
+            # Publishing failed: give the lease back rather than leave a half-published node.
+            self._keeper = None
+            self._registered = False
+            keeper.stop(revoke=True)
+            raise
+        self.registrations += 1
+        self._next_at = time.monotonic() + self.refresh_interval_s
+        log.info("node %s: published %d GPU(s) under lease %x", self.node, len(self._health), lease)
+
+    def _sync(self, lease: int, full: bool) -> int:
+        keys = self.store.keys
+        node_info = self.backend.node_info()
+        gpus = {g.uuid: publishable(g) for g in self.backend.gpus()}
+        node_info = replace(node_info, gpu_count=len(gpus))
+        self._log_health_changes(gpus.values())
+
+        ops: list[Put | Delete] = []
+        node_key = keys.node(self.node)
+        node_kv = self.store.get(node_key)
+        if full or self._differs(node_kv, NodeInfo, node_info, lease):
+            if full and node_kv is not None and node_kv.lease not in (0, lease):
+                self._note_takeover(node_kv)
+            ops.append(Put(node_key, node_info, lease))
+
+        listed, _ = self.store.get_prefix(keys.gpus_prefix(self.node))
+        seen: set[str] = set()
+        for kv in listed:
+            parsed = keys.parse(kv.key)
+            if parsed is None or parsed.kind != "gpus" or parsed.parts[0] != self.node:
+                self._warn_once(kv.key, f"node {self.node}: ignoring key {kv.key!r} of unknown shape under the node's prefix")
+                continue
+            uuid = parsed.parts[1]
+            if uuid not in gpus:
+                log.warning("node %s: deleting %s: not a GPU of this node (stale or written by hand)", self.node, kv.key)
+                ops.append(Delete(kv.key))
+                continue
+            seen.add(uuid)
+            if full or self._differs(kv, GpuInfo, gpus[uuid], lease):
+                ops.append(Put(kv.key, gpus[uuid], lease))
+        for uuid, gpu in gpus.items():
+            if uuid not in seen:
+                if not full:
+                    log.warning("node %s: %s was missing from etcd; publishing it again", self.node, uuid)
+                ops.append(Put(keys.gpu(self.node, uuid), gpu, lease))
+
+        for chunk in iter_chunks(ops, _TXN_OPS):
+            self._apply(chunk, lease)
+        self.writes += len(ops)
+        return len(ops)
+
+    def _apply(self, ops: Sequence[Put | Delete], lease: int) -> None:
+        try:
+            self.store.txn([], ops)
+        except LeaseLostError:
+            raise
+        except StoreError as exc:
+            # etcd reports a put on a revoked or expired lease as "requested lease not found".
+            if "lease not found" in str(exc).lower():
+                raise LeaseLostError(f"lease {lease:x} of node {self.node} is gone: {exc}") from None
+            raise
+
+    def _differs(self, kv: KeyValue | None, cls: Any, want: Any, lease: int) -> bool:
+        if kv is None:
+            return True
+        try:
+            have = decode(kv.key, kv.value, cls)
+        except SchemaError as exc:
+            log.warning("node %s: malformed value (%s); rewriting it", self.node, exc)
+            return True
+        if kv.lease != lease:
+            log.warning("node %s: %s is not attached to lease %x (written by hand?); rewriting it", self.node, kv.key, lease)
+            return True
+        return bool(have != want)
+
+    def _note_takeover(self, kv: KeyValue) -> None:
+        try:
+            prev = decode(kv.key, kv.value, NodeInfo)
+            who = f"pid {prev.agent_pid} on {prev.hostname or '?'}"
+        except SchemaError:
+            who = "an unreadable value"
+        log.warning(
+            "node %s was published by %s under lease %x; taking it over (if that agent is alive, two agents "
+            "claim one node name: give each a distinct --node)",
+            self.node,
+            who,
+            kv.lease,
+        )
+
+    def _log_health_changes(self, gpus: Any) -> None:
+        for g in gpus:
+            before = self._health.get(g.uuid)
+            if before is not None and before != g.healthy:
+                if g.healthy:
+                    log.info("node %s: GPU %s (index %d) is healthy again", self.node, g.uuid, g.index)
+                else:
+                    log.warning(
+                        "node %s: GPU %s (index %d) is unhealthy: %s", self.node, g.uuid, g.index, "; ".join(g.health.reasons)
+                    )
+            elif before is None and not g.healthy:
+                log.warning("node %s: GPU %s (index %d) is unhealthy: %s", self.node, g.uuid, g.index, "; ".join(g.health.reasons))
+            self._health[g.uuid] = g.healthy
+
+    def _warn_once(self, tag: str, message: str) -> None:
+        if tag not in self._warned:
+            self._warned.add(tag)
+            log.warning("%s", message)
+
+
+def run_agents(
+    agents: Sequence[NodeAgent],
+    stop: threading.Event,
+    wake: threading.Event | None = None,
+    on_started: Callable[[Sequence[NodeAgent]], None] | None = None,
+) -> None:
+    """Start every agent, tick them until ``stop`` is set, then stop them (revoking their leases).
+
+    Args:
+        agents: the agents (one per node) of this process.
+        stop: set it (e.g. from a signal handler) to shut down.
+        wake: the event the agents were given; setting it makes the loop look at once.
+        on_started: called once every agent has registered.
+
+    Raises:
+        StoreError: the first registration of an agent failed (the ones already started are
+            stopped and their leases revoked first).
+    """
+    wake = wake if wake is not None else threading.Event()
+    started: list[NodeAgent] = []
+    try:
+        for a in agents:
+            a.start()
+            started.append(a)
+        if on_started is not None:
+            on_started(agents)
+        while not stop.is_set():
+            delay = min((a.tick() for a in agents), default=1.0)
+            if stop.is_set():
+                break
+            wake.wait(max(0.01, delay))
+            wake.clear()
+    finally:
+        for a in started:
+            a.stop(revoke=True)

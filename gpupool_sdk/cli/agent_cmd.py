@@ -1,0 +1,169 @@
+"""``gpupool agent``: publish this machine's GPUs (or simulated ones) to the pool.
+
+One process can publish several simulated nodes (``--simulate "a:4xH100,b:8xA100-40GB:pcie"``);
+each node gets its own etcd lease, so the nodes appear and vanish independently, and a SIGTERM
+revokes every lease: all the process's GPUs vanish at once. SIGKILL leaves them to expire with
+the leases, one TTL later.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+
+import click
+
+from gpupool_sdk.agent.agent import NodeAgent, run_agents
+from gpupool_sdk.agent.signals import install_stop_handlers
+from gpupool_sdk.cli.common import endpoints_option, prefix_option, resolve_endpoints
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.errors import ConfigError, SpecError
+from gpupool_sdk.inventory.base import InventoryBackend, simulated_backends
+from gpupool_sdk.inventory.health import DEFAULT_MAX_TEMPERATURE_C, HealthThresholds
+from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store.keyspace import Keyspace
+
+DEFAULT_REFRESH_S = 5.0
+
+
+def timing_for_ttl(ttl_s: float | None) -> LeaseTiming:
+    """Lease timing of the agent: the environment's defaults, or derived from ``--ttl``.
+
+    With a TTL, keepalives go every quarter TTL and one may retry for 3/8 of it, which meets
+    ``keepalive_interval + 2 * retry_timeout <= ttl`` exactly.
+    """
+    if ttl_s is None:
+        return LeaseTiming.from_env()
+    return LeaseTiming(ttl_s=ttl_s, keepalive_interval_s=ttl_s / 4, retry_timeout_s=ttl_s * 3 / 8)
+
+
+def _host_node_name() -> str:
+    """The short host name, as a valid node name."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0]).strip("-._")
+    return name or "node"
+
+
+def _backends(
+    node: str | None, simulate: str | None, fault_file: str | None, thresholds: HealthThresholds
+) -> list[InventoryBackend]:
+    if simulate is not None:
+        # A single unnamed node is this host; several unnamed ones are numbered after --node, else node-NN.
+        try:
+            return list(
+                simulated_backends(
+                    simulate,
+                    default_node=node or _host_node_name(),
+                    fault_file=fault_file,
+                    thresholds=thresholds,
+                    auto_base=node or "node",
+                )
+            )
+        except SpecError as exc:
+            hint = "--node" if exc.field == "node" else "--simulate"
+            raise click.BadParameter(str(exc), param_hint=hint) from None
+    if fault_file is not None:
+        raise click.BadParameter("faults can only be injected into simulated GPUs; add --simulate SPEC", param_hint="--fault-file")
+    from gpupool_sdk.inventory.nvml import NvmlBackend, NvmlUnavailableError
+
+    try:
+        return [NvmlBackend(node=node, thresholds=thresholds)]
+    except NvmlUnavailableError as exc:
+        raise click.UsageError(
+            f"no GPU to publish: {exc}. Example: gpupool agent --node node-a --simulate '4xH100-80GB:nvlink'"
+        ) from None
+
+
+@click.command("agent")
+@click.option("--node", default=None, help="Node name (default: the host name).")
+@click.option(
+    "--simulate",
+    default=None,
+    metavar="SPEC",
+    help="Declare simulated GPUs instead of reading NVML: '4xH100-80GB:nvlink', "
+    "'node-a:4xH100-80GB:nvlink,node-b:8xA100-40GB:pcie', '16*8xV100-32GB:nvlink=2x4' (see docs/inventory.md).",
+)
+@click.option(
+    "--fault-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help='JSON {gpu_uuid: {"temperature_c": 95} | {"xid": 79} | {"ecc_double_bit": 2}} read on every refresh (simulated GPUs).',
+)
+@click.option("--refresh", "refresh_s", type=float, default=DEFAULT_REFRESH_S, show_default=True, help="Seconds between health refreshes.")
+@click.option("--ttl", "ttl_s", type=float, default=None, help="Lease TTL in seconds (default $GPUPOOL_LEASE_TTL or 10).")
+@click.option(
+    "--max-temperature",
+    "max_temperature_c",
+    type=float,
+    default=DEFAULT_MAX_TEMPERATURE_C,
+    show_default=True,
+    help="A GPU at or above this temperature (C) is unhealthy.",
+)
+@endpoints_option
+@prefix_option
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+def agent(
+    node: str | None,
+    simulate: str | None,
+    fault_file: str | None,
+    refresh_s: float,
+    ttl_s: float | None,
+    max_temperature_c: float,
+    endpoints: str | None,
+    prefix: str | None,
+    log_level: str,
+) -> None:
+    """Publish a node's GPUs under the agent's etcd lease and keep their health current.
+
+    \b
+    Examples:
+      gpupool agent                                   # real GPUs, read through NVML
+      gpupool agent --node node-a --simulate "4xH100-80GB:nvlink"
+      gpupool agent --simulate "node-a:4xH100-80GB:nvlink,node-b:8xA100-40GB:pcie"
+    """
+    # A command line owns its process: configuring logging here is the host's choice, not the library's.
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        timing = timing_for_ttl(ttl_s)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--ttl") from None
+    try:
+        thresholds = HealthThresholds(max_temperature_c=max_temperature_c)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-temperature") from None
+    if not refresh_s > 0:
+        raise click.BadParameter(f"must be a positive number of seconds, got {refresh_s}", param_hint="--refresh")
+
+    backends = _backends(node, simulate, fault_file, thresholds)
+    store = EtcdStore(
+        resolve_endpoints(endpoints),
+        keyspace=Keyspace.from_env(prefix),
+        timeout_s=max(0.5, min(5.0, timing.retry_timeout_s)),
+    )
+    stop = threading.Event()
+    wake = threading.Event()
+    restore = install_stop_handlers(stop, wake)
+
+    def started(agents: Sequence[NodeAgent]) -> None:
+        for a in agents:
+            gpus = a.backend.gpus()
+            models = ", ".join(sorted({g.model for g in gpus}))
+            click.echo(
+                f"agent: node {a.node}: {len(gpus)} GPU(s) {models} published under lease {a.lease_id:x} "
+                f"(ttl {timing.ttl_s:g}s, refresh {refresh_s:g}s) on {store.endpoint} prefix {store.keys.prefix}",
+                err=True,
+            )
+
+    try:
+        agents = [NodeAgent(store, b, timing, refresh_interval_s=refresh_s, wake=wake) for b in backends]
+        run_agents(agents, stop, wake=wake, on_started=started)
+    finally:
+        restore()
+        for b in backends:
+            b.close()
+        store.close()
+    click.echo(f"agent: stopped; lease(s) of {len(backends)} node(s) revoked", err=True)
+    sys.exit(0)
