@@ -163,14 +163,14 @@ def render_top(doc: dict[str, Any], console: Console) -> None:
                 "GPU-H", "COST $", "$/H"):
         jobs.add_column(col, no_wrap=True)
     for r in doc["jobs"]:
-        bar = phase_bar(r["phase_fraction"]) if r["phase_fraction"] else "-"
+        bar = f"[{phase_bar(r['phase_fraction'])}] {r['dominant_phase'] or ''}" if r["phase_fraction"] else "-"
         jobs.add_row(
             r["job"],
             r["state"],
             r["qos"] or "-",
             str(r["slices"]),
             _num(r["steps_per_s"]),
-            f"[{bar}] {r['dominant_phase'] or ''}".rstrip(),
+            bar.rstrip(),
             f"{_size(r['memory_peak_bytes'])}/{_size(r['memory_quota_bytes'])}",
             _pct(r["gpu_util"]),
             _num(r["gpu_seconds"] / 3600.0),

@@ -25,7 +25,7 @@ from typing import Any
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import Allocation, GiB, GpuInfo, JobSpec, QoS, format_size
-from gpupool_sdk.telemetry.pricing import ModelOffer, PriceTable
+from gpupool_sdk.telemetry.pricing import ModelOffer, PriceTable, reference_tflops
 from gpupool_sdk.telemetry.summary import TelemetrySummary
 from gpupool_sdk.telemetry.usage import hourly_cost
 
@@ -270,10 +270,13 @@ def _memory_rule(
         f"memory quota {format_size(requested)} per slice is far above the observed peak "
         f"{format_size(t.memory_peak_bytes)}: ask for memory='{_gib(target)}'"
     )
-    cheaper = _cheaper_model(spec, target, allocs, gpus, prices, cost, offers)
+    cheaper = _cheaper_model(spec, target, allocs, gpus, prices, cost, offers, t.gpu_util, st)
     if cheaper is not None and cheaper[1] > saving:
         offer, model_saving = cheaper
-        msg += f"; it fits a {offer.name} ({format_size(offer.memory_bytes)}), saving ${model_saving:.2f}/h"
+        msg += (
+            f"; a slice of {offer.name} ({format_size(offer.memory_bytes)}) holds it with the compute it uses, "
+            f"saving ${model_saving:.2f}/h (gpu_model='{offer.name}')"
+        )
         suggestion["gpu_model"] = offer.name
         saving = model_saving
     elif saving > 0:
@@ -293,10 +296,27 @@ def _cheaper_model(
     prices: PriceTable,
     cost: float,
     offers: Iterable[ModelOffer],
+    util: float | None,
+    st: AdviceSettings,
 ) -> tuple[ModelOffer, float] | None:
+    """The catalog model saving most per hour that holds ``target`` bytes and the job's compute.
+
+    The compute the job needs is what it uses now: measured utilisation (plus margin) of the
+    current GPU's TFLOPS when known, else its whole compute share. A model whose TFLOPS are
+    unknown on either side is judged on memory alone.
+    """
     if not allocs or cost <= 0:
         return None
-    current_models = {gpus[a.gpu_uuid].model for a in allocs if a.gpu_uuid in gpus}
+    offers = list(offers)
+    by_name = {o.name: o for o in offers}
+    current = [gpus[a.gpu_uuid] for a in allocs if a.gpu_uuid in gpus]
+    current_models = {g.model for g in current}
+    cur_tflops = min(
+        (reference_tflops(g.tflops) or getattr(by_name.get(g.model), "tflops", 0.0) for g in current), default=0.0
+    )
+    share_now = 1.0 if spec.qos_class is QoS.EXCLUSIVE else spec.compute_share
+    used = min(share_now, util * (1.0 + st.compute_margin)) if util is not None else share_now
+    needed_tflops = cur_tflops * used
     needed = set(spec.features) - {"nvlink"}  # NVLink is a topology wish, not a model property here
     best: tuple[ModelOffer, float] | None = None
     for offer in offers:
@@ -304,15 +324,19 @@ def _cheaper_model(
             continue
         if needed and offer.features and not needed <= offer.features:
             continue
+        compute_share = spec.compute_share
+        if needed_tflops > 0 and offer.tflops > 0:
+            compute_share = round_up(needed_tflops / offer.tflops, st.compute_round)
+            if compute_share > 1.0:
+                continue  # too slow: the job would run longer than it saves
         price = prices.price_per_hour(offer.name, spec.qos_class)
         if price is None:  # not priced by the table: the offer's own list price
             price = offer.price_per_hour_usd * prices.factor(spec.qos_class)
         if spec.qos_class is QoS.EXCLUSIVE:
             share = 1.0
         else:
-            share = min(1.0, max(spec.compute_share, target / offer.memory_bytes))
-        new_cost = share * price * len(allocs)
-        saving = cost - new_cost
+            share = min(1.0, max(compute_share, target / offer.memory_bytes))
+        saving = cost - share * price * len(allocs)
         if saving > 0 and (best is None or saving > best[1]):
             best = (offer, saving)
     return best

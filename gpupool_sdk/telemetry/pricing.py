@@ -49,12 +49,21 @@ DEFAULT_QOS_FACTOR: Mapping[QoS, float] = {
 
 @dataclass(frozen=True)
 class ModelOffer:
-    """A GPU model as the advice rules see it: its memory and its price per GPU-hour."""
+    """A GPU model as the advice rules see it: memory, list price per GPU-hour, features, compute.
+
+    ``tflops`` is :func:`reference_tflops` of the model (0 when unknown: compute is then not checked).
+    """
 
     name: str
     memory_bytes: int
     price_per_hour_usd: float
     features: frozenset[str] = frozenset()
+    tflops: float = 0.0
+
+
+def reference_tflops(tflops: Mapping[str, float]) -> float:
+    """One number to compare GPUs' training compute: dense 16-bit tensor TFLOPS (else fp32); 0 if unknown."""
+    return float(max(tflops.get("bf16", 0.0), tflops.get("fp16", 0.0)) or tflops.get("fp32", 0.0) or 0.0)
 
 
 def _catalog_price(model: str) -> float | None:
@@ -85,7 +94,9 @@ def catalog_offers() -> tuple[ModelOffer, ...]:
     except ImportError:
         return ()
     offers = [
-        ModelOffer(m.name, m.memory_bytes, float(m.price_per_hour_usd), frozenset(m.features))
+        ModelOffer(
+            m.name, m.memory_bytes, float(m.price_per_hour_usd), frozenset(m.features), reference_tflops(m.tflops)
+        )
         for m in CATALOG.values()
     ]
     return tuple(sorted(offers, key=lambda o: (o.price_per_hour_usd, o.memory_bytes)))

@@ -127,7 +127,8 @@ def gpu_rows(view: PoolView) -> list[dict[str, Any]]:
                 "compute_allocated": min(
                     1.0, sum(1.0 if a.mode is QoS.EXCLUSIVE else a.compute_share for a in allocs)
                 ),
-                "util": min(1.0, sum(utils)) if utils else None,
+                # max, not sum: without per-process NVML samples each job reports the whole device's
+                "util": max(utils) if utils else None,
                 "jobs": sorted(a.job for a in allocs),
             }
         )

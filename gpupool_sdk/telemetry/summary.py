@@ -266,7 +266,17 @@ class TelemetrySummary:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "telemetry") -> TelemetrySummary:
-        """Parse a summary; every field but ``job`` may be missing, unknown fields are ignored."""
+        """Parse a summary; every field but ``job`` may be missing, unknown fields are ignored.
+
+        Also accepts the store's envelope :class:`gpupool_sdk.store.records.TelemetryRecord`
+        (``{"job", "at", "summary": {...}}``) whose ``summary`` holds this record's fields.
+        """
+        inner = d.get("summary")
+        if isinstance(inner, Mapping) and "phase_seconds" not in d:
+            merged = {**inner, "job": d.get("job", inner.get("job"))}
+            if merged.get("published_at") is None and d.get("at") is not None:
+                merged["published_at"] = d["at"]
+            d = merged
         raw_slices = opt(d, "slices", list, where, [])
         slices = []
         for i, s in enumerate(raw_slices):

@@ -58,3 +58,35 @@ def prices(models: dict[str, float] | None = None, default: float | None = None)
     """A price table independent of the catalog and the environment (H100-80GB at $4/h by default)."""
     table = {"H100-80GB": 4.0} if models is None else models
     return PriceTable(overrides=table, default_per_hour_usd=default, catalog=lambda m: None)
+
+
+def populate(store: object) -> None:
+    """Write a small pool through the store: 2 GPUs, 3 jobs, usage, a leader and one bad value."""
+    from gpupool_sdk.resources import LeaderRecord
+    from gpupool_sdk.telemetry.usage import UsageRecord
+
+    keys = store.keys  # type: ignore[attr-defined]
+    put = store.put  # type: ignore[attr-defined]
+    put(keys.gpu("node-a", "GPU-a0"), gpu("GPU-a0", "node-a", 0))
+    put(keys.gpu("node-a", "GPU-a1"), gpu("GPU-a1", "node-a", 1, healthy=False))
+    put(keys.cordon("GPU-a1"), {"by": "ops"})
+    put(keys.leader(), LeaderRecord(id="coord-1", term=7, since=NOW - 3600))
+    # bert: granted, oversized memory, healthy telemetry
+    put(keys.job_spec("bert"), spec("bert", memory="40GiB", share=0.5, owner="nlp"))
+    put(keys.job_status("bert"), status())
+    put(keys.allocation("node-a", "GPU-a0", "bert"), alloc("bert", memory_gib=40, share=0.5))
+    put(keys.telemetry("bert"), telemetry("bert", peak_gib=10))
+    put(keys.usage("bert"), UsageRecord("bert", owner="nlp", gpu_seconds=7200.0, cost_usd=8.0, first_seen=NOW - 7200,
+                                        last_seen=NOW))
+    # loader: granted, input-bound, shared
+    put(keys.job_spec("loader"), spec("loader", memory="20GiB", share=0.25, qos="shared", owner="cv"))
+    put(keys.job_status("loader"), status())
+    put(keys.allocation("node-a", "GPU-a0", "loader"), alloc("loader", memory_gib=20, share=0.25, mode=QoS.SHARED))
+    put(keys.telemetry("loader"), telemetry("loader", data=0.6, util=0.2, peak_gib=18))
+    # waiting: pending, nothing else
+    put(keys.job_spec("waiting"), spec("waiting", owner="nlp"))
+    put(keys.job_status("waiting"), status(JobState.PENDING))
+    # finished: only usage left
+    put(keys.usage("old-run"), UsageRecord("old-run", owner="cv", gpu_seconds=3600.0, cost_usd=3.0))
+    # a hand-edited, malformed telemetry value
+    put(keys.telemetry("broken"), b"{not json")

@@ -181,3 +181,23 @@ def test_suggested_memory_rounds_up_with_margin() -> None:
 def test_settings_are_validated(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         AdviceSettings(**kwargs)
+
+
+def test_cheaper_model_must_hold_the_compute_the_job_uses() -> None:
+    fast = {"GPU-a0": gpu("GPU-a0", model="H100-80GB", memory_gib=80)}
+    fast["GPU-a0"] = fast["GPU-a0"].__class__(**{**fast["GPU-a0"].__dict__, "tflops": {"bf16": 1000.0}})
+    slow = ModelOffer("T4-16GB", 16 * GiB, 0.35, frozenset(), tflops=65.0)
+    mid = ModelOffer("A100-40GB", 40 * GiB, 1.5, frozenset(), tflops=400.0)
+    items = advise(
+        spec("job", memory="40GiB"),
+        telemetry=telemetry("job", peak_gib=10, util=0.25),  # uses 0.25 * 1.2 = 0.3 of 1000 TFLOPS = 300
+        allocations=[alloc("job", memory_gib=40)],
+        gpus_by_uuid=fast,
+        prices=TABLE,
+        now=NOW,
+        offers=(slow, mid),
+    )
+    mem = next(a for a in items if a.kind is AdviceKind.MEMORY_OVERSIZED)
+    # T4 cannot deliver 300 TFLOPS; A100-40GB needs a 0.75 share: 0.75 * $1.5 = $1.125 vs $2 now
+    assert mem.suggestion["gpu_model"] == "A100-40GB"
+    assert mem.saving_usd_per_hour == pytest.approx(2.0 - 1.125)

@@ -91,3 +91,14 @@ def test_constructor_rejects_percentages() -> None:
 
 def test_fractions_of_nothing_are_zero() -> None:
     assert fractions({}) == dict.fromkeys(PHASES, 0.0)
+
+
+def test_reads_the_store_envelope_too() -> None:
+    from gpupool_sdk.store.records import TelemetryRecord
+
+    t = telemetry("bert")
+    wrapped = TelemetryRecord(job="bert", at=t.published_at, summary=t.to_dict())
+    assert decode("/p/telemetry/bert", encode(wrapped), TelemetrySummary) == t
+    bare = {k: v for k, v in t.to_dict().items() if k not in ("job", "published_at")}
+    back = decode("/p/telemetry/bert", encode(TelemetryRecord(job="bert", at=7.0, summary=bare)), TelemetrySummary)
+    assert back.job == "bert" and back.published_at == 7.0 and back.phase_seconds == t.phase_seconds

@@ -1,0 +1,117 @@
+"""``gpupool top`` and ``gpupool metrics report`` against a real etcd, through click's CliRunner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from gpupool_sdk.cli.main import cli
+from gpupool_sdk.store.keyspace import Keyspace
+
+from ._data import populate
+
+
+@pytest.fixture
+def prices_file(tmp_path: Path) -> Path:
+    p = tmp_path / "prices.json"
+    p.write_text(json.dumps({"models": {"H100-80GB": 4.0}}))
+    return p
+
+
+def _run(args: list[str], endpoint: str, keyspace: Keyspace, prices_file: Path | None = None) -> Any:
+    extra = ["--endpoints", endpoint, "--prefix", keyspace.prefix]
+    if prices_file is not None:
+        extra += ["--prices", str(prices_file)]
+    return CliRunner().invoke(cli, [*args, *extra], catch_exceptions=False)
+
+
+def test_top_json(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:
+    populate(store)
+    res = _run(["top", "-o", "json"], etcd_endpoint, keyspace, prices_file)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    jobs = {j["job"]: j for j in doc["jobs"]}
+    assert set(jobs) == {"bert", "loader", "waiting", "old-run"}
+    assert jobs["bert"]["state"] == "GRANTED" and jobs["bert"]["slices"] == 1
+    assert jobs["bert"]["dominant_phase"] == "backward"
+    assert jobs["bert"]["memory_quota_bytes"] == 40 * 2**30
+    assert jobs["bert"]["cost_usd_per_hour"] == pytest.approx(2.0)
+    assert jobs["loader"]["phase_fraction"]["data"] > 0.5
+    assert jobs["waiting"]["state"] == "PENDING" and jobs["waiting"]["steps_per_s"] is None
+    assert jobs["old-run"]["state"] == "GONE" and jobs["old-run"]["cost_usd"] == 3.0
+    gpus = {g["gpu"]: g for g in doc["gpus"]}
+    assert gpus["GPU-a0"]["jobs"] == ["bert", "loader"]
+    assert gpus["GPU-a0"]["compute_allocated"] == pytest.approx(0.75)
+    assert gpus["GPU-a1"]["cordoned"] and not gpus["GPU-a1"]["healthy"]
+    assert doc["leader"]["term"] == 7
+    # the malformed value is reported (JSON and stderr) and skipped
+    assert len(doc["errors"]) == 1 and "telemetry/broken" in doc["errors"][0]
+    assert "telemetry/broken" in res.stderr
+
+
+def test_top_table(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:
+    populate(store)
+    res = _run(["top"], etcd_endpoint, keyspace, prices_file)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "leader: coord-1 (term 7)" in out
+    for word in ("bert", "loader", "GRANTED", "PENDING", "node-a/0", "UNHEALTHY,cordoned"):
+        assert word in out
+    assert "[" in out and "B" in out  # the phase bar
+
+
+def test_metrics_report_json(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:
+    populate(store)
+    res = _run(["metrics", "report", "-o", "json"], etcd_endpoint, keyspace, prices_file)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [j["job"] for j in doc["jobs"]] == ["bert", "old-run"]  # most expensive first
+    owners = {o["owner"]: o for o in doc["owners"]}
+    assert owners["nlp"]["cost_usd"] == 8.0 and owners["cv"]["cost_usd"] == 3.0
+    assert doc["total_cost_usd"] == 11.0
+    assert doc["cost_usd_per_hour"] == pytest.approx(2.5)
+    kinds = {(a["job"], a["kind"]) for a in doc["advice"]}
+    assert ("bert", "memory_oversized") in kinds
+    assert ("loader", "input_bound") in kinds
+    bert_mem = next(a for a in doc["advice"] if a["kind"] == "memory_oversized")
+    assert bert_mem["suggestion"]["memory_bytes"] == 12 * 2**30
+    assert doc["saving_usd_per_hour"] > 0
+    assert len(doc["errors"]) == 1
+
+
+def test_metrics_report_table(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:
+    populate(store)
+    res = _run(["metrics", "report"], etcd_endpoint, keyspace, prices_file)
+    assert res.exit_code == 0, res.output
+    assert "cost by owner" in res.stdout and "memory_oversized" in res.stdout and "input-bound" in res.stdout
+
+
+def test_empty_pool(etcd_endpoint: str, keyspace: Keyspace) -> None:
+    res = _run(["top", "-o", "json"], etcd_endpoint, keyspace)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["jobs"] == [] and doc["gpus"] == [] and doc["leader"] is None
+
+
+@pytest.mark.parametrize("args", [["top"], ["metrics", "report", "-o", "json"], ["metrics", "serve", "--port", "0"]])
+def test_unreachable_etcd_exits_3_naming_the_endpoint(args: list[str]) -> None:
+    res = CliRunner().invoke(cli, [*args, "--endpoints", "127.0.0.1:1", "--timeout", "0.5"])
+    assert res.exit_code == 3, res.output
+    assert "127.0.0.1:1" in res.stderr and "unreachable" in res.stderr
+
+
+def test_bad_price_file_is_a_usage_error(tmp_path: Path, etcd_endpoint: str, keyspace: Keyspace) -> None:
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"models": {"H100-80GB": -3}}))
+    res = _run(["metrics", "report"], etcd_endpoint, keyspace, bad)
+    assert res.exit_code == 2
+    assert "H100-80GB" in res.output and "--prices" in res.output
+
+
+def test_bad_watch_interval(etcd_endpoint: str, keyspace: Keyspace) -> None:
+    res = _run(["top", "-w", "0"], etcd_endpoint, keyspace)
+    assert res.exit_code == 2 and "--watch" in res.output
