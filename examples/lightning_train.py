@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         default_root_dir=args.checkpoint_dir,
     )
     trainer.fit(model, ckpt_path=pool.resume_from)
+    if pool.preempted:
+        print(f"GPUPOOL_PREEMPTED rank={trainer.global_rank} step={trainer.global_step}", flush=True)
     if trainer.is_global_zero:
         result = {
             "job": pool.job,

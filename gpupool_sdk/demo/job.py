@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--checkpoint-dir", default=os.environ.get("GPUPOOL_CHECKPOINT_DIR", "gpupool-checkpoints"))
     p.add_argument("--strategy", default="auto", help="Lightning strategy (e.g. ddp for one process per slice)")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU even when the leased GPUs are real")
     p.add_argument("--progress", action="store_true", help="print GPUPOOL_PROGRESS lines (for gpupool demo)")
     p.add_argument("--out", default=None, help="write final weights and step count here (torch.save)")
     args = p.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = TinyRegressor(args.seed, args.samples, args.batch_size, args.num_workers, args.step_sleep)
     trainer = pl.Trainer(
-        accelerator=pool.accelerator,
+        accelerator="cpu" if args.cpu else pool.accelerator,
         devices=pool.devices,
         strategy=args.strategy,
         max_epochs=args.epochs,
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         default_root_dir=args.checkpoint_dir,
     )
     trainer.fit(model, ckpt_path=pool.resume_from)
+    if pool.preempted:
+        print(f"GPUPOOL_PREEMPTED rank={trainer.global_rank} step={trainer.global_step}", flush=True)
     if trainer.is_global_zero:
         result = {
             "job": pool.job,

@@ -99,9 +99,10 @@ class Demo:
         self.simulate = simulate
         self.jobs = jobs
         self.timeout_s = timeout_s
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 120)
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="gpupool-demo-")
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.prefix = f"/gpupool-demo/{uuid.uuid4().hex[:8]}"
         self.t0 = time.monotonic()
         self.events: queue.Queue[tuple[float, str, str]] = queue.Queue()
@@ -195,9 +196,10 @@ class Demo:
             "--endpoints", ep, "--prefix", self.prefix, "--checkpoint-dir", str(self.workdir / "ckpt"),
             "--", sys.executable, "-m", "gpupool_sdk.demo.job", "--epochs", str(j.epochs),
             "--samples", str(j.samples), "--batch-size", str(j.batch_size), "--step-sleep", str(j.step_sleep),
-            "--memory", j.memory, "--progress",
+            "--memory", j.memory, "--progress", "--cpu",
         )
-        track.proc = self._spawn(j.name, cmd)
+        # The simulated node's slices become this machine's visible devices; the jobs still train on the CPU.
+        track.proc = self._spawn(j.name, cmd, env={"GPUPOOL_NODE": self.simulate.split(":", 1)[0]})
         self.say(j.name, f"submitted: priority {j.priority}, {j.qos}, {j.memory}", "bold")
 
     # -- events ------------------------------------------------------------------------------------
@@ -211,7 +213,11 @@ class Demo:
         m = _RUN_RE.match(line)
         if m:
             msg = m.group(1)
-            if msg.startswith("queueing"):
+            state, _, reason = msg.partition(": ")
+            if state in ("PENDING", "GRANTED", "PREEMPTING", "SUSPENDED", "REJECTED", "FAILED", "DONE"):
+                if state in ("PREEMPTING", "SUSPENDED") or (state == "PENDING" and reason):
+                    self.say(label, f"{state}: {reason}", "yellow" if state == "PENDING" else "magenta")
+            elif msg.startswith("queueing"):
                 track.queued_at = at
                 self.say(label, "queued" + (" again" if track.preempted else ""), "yellow")
             elif msg.startswith("granted"):
@@ -219,22 +225,19 @@ class Demo:
                     track.waited_s += at - track.queued_at
                     track.queued_at = None
                 track.run_started = at
-                style = "green"
                 if "resuming from" in msg:
                     track.resumed += 1
-                self.say(label, msg, style)
-            elif "preempted" in msg or msg.startswith("finished"):
+                self.say(label, msg, "green")
+            elif msg.startswith(("preempted;", "lease lost")) or msg.startswith("finished"):
                 if track.run_started is not None:
                     track.ran_s += at - track.run_started
                     track.run_started = None
                     track.training = False
-                if "preempted" in msg:
-                    track.preempted += 1
-                    self.say(label, "exited 75 after checkpoint + ack; " + msg.split(";", 1)[-1].strip(), "magenta")
-                else:
+                if msg.startswith("finished"):
                     self.say(label, msg, "green")
-            elif msg.startswith("PENDING") and msg.strip() != "PENDING:":
-                self.say(label, msg, "yellow")
+                else:
+                    track.preempted += 1
+                    self.say(label, "script exited 75 (checkpointed, acked, released); gpupool run is " + msg.split(";", 1)[-1].strip(), "magenta")
             return
         if line.startswith("GPUPOOL_PROGRESS "):
             info = json.loads(line.split(" ", 1)[1])
@@ -330,7 +333,7 @@ class Demo:
     def _summary(self, ok: bool) -> None:
         table = Table(title="gpupool demo: per-job summary")
         for col in ("job", "prio", "exit", "waited s", "ran s", "preempted", "resumed", "steps",
-                    "data/fwd/bwd/opt/ckpt %", "GPU·s"):
+                    "data/fwd/bwd/opt/ckpt %", "GPU-s"):
             table.add_column(col, justify="right" if col not in ("job",) else "left")
         for t in self.tracks.values():
             phases = t.result.get("phases", {}).get("phase_s", {})
@@ -338,7 +341,7 @@ class Demo:
             split = "/".join(f"{100 * phases.get(p, 0.0) / total:.0f}" for p in ("data", "forward", "backward", "optimizer", "checkpoint"))
             table.add_row(
                 t.job.name, str(t.job.priority), str(t.exit_code), f"{t.waited_s:.1f}", f"{t.ran_s:.1f}",
-                str(t.preempted), str(t.resumed), str(t.result.get("global_step", "-")), split, f"{t.ran_s * 1:.1f}",
+                str(t.preempted), str(t.resumed), str(t.result.get("global_step", "-")), split, f"{t.ran_s:.1f}",
             )
         self.console.print(table)
         took = time.monotonic() - self.t0

@@ -1,0 +1,151 @@
+"""Harness for the Lightning integration tests: a real pool (etcd, coordinator, agent) and real trainers.
+
+* ``live_pool``: a coordinator and a ``gpupool agent --simulate`` subprocess on the session etcd,
+  under this test's key prefix, with short timings (coordinator TTL 3 s, loop 0.2 s; job leases
+  TTL 3 s through ``GPUPOOL_LEASE_TTL``...).
+* Trainers are ``examples/lightning_train.py`` subprocesses, started directly or under ``gpupool run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from gpupool_sdk.resources import Allocation, JobState, JobStatus
+from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store.keyspace import Keyspace
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "lightning_train.py")
+DEADLINE = 90.0
+
+
+def wait_for(cond: Callable[[], T], timeout: float = DEADLINE, what: str = "condition", interval: float = 0.1) -> T:
+    """Poll ``cond`` until truthy; fail naming ``what`` after ``timeout`` seconds (a generous bound)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class LivePool:
+    """One test's pool: its prefix, its processes, and helpers to start trainers."""
+
+    def __init__(self, endpoint: str, keys: Keyspace, tmp_path: Path) -> None:
+        self.endpoint = endpoint
+        self.keys = keys
+        self.tmp = tmp_path
+        self.store = EtcdStore(endpoint, keyspace=keys)
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "GPUPOOL_ENDPOINTS": endpoint,
+            "GPUPOOL_PREFIX": keys.prefix,
+            "GPUPOOL_LEASE_TTL": "3",
+            "GPUPOOL_KEEPALIVE_INTERVAL": "0.5",
+            "GPUPOOL_RETRY_TIMEOUT": "1.0",
+            "GPUPOOL_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        }
+        for var in ("GPUPOOL_RUN_SOCKET", "GPUPOOL_LEASED", "GPUPOOL_DEVICES", "GPUPOOL_RESUME_FROM", "GPUPOOL_JOB",
+                    "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            self.env.pop(var, None)
+
+    def spawn(self, label: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+        log = open(self.tmp / f"{label}.log", "wb")  # noqa: SIM115 - closed with the process
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env={**self.env, **(env or {})},
+                             start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def gpupool(self, label: str, *args: str) -> subprocess.Popen[Any]:
+        return self.spawn(label, [sys.executable, "-m", "gpupool_sdk.cli.main", *args])
+
+    def start(self, simulate: str) -> None:
+        self.gpupool("coordinator", "coordinator", "--ttl", "3", "--loop-wait", "0.2", "--preempt-grace", "60",
+                     "--aging", "100000", "--log-level", "info")
+        self.gpupool("agent", "agent", "--simulate", simulate, "--ttl", "3")
+        wait_for(lambda: self.store.get_prefix(self.keys.gpus_prefix())[0], what=f"the agent to publish {simulate}")
+
+    def trainer(self, label: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+        """``examples/lightning_train.py ARGS`` (the callback leases directly)."""
+        return self.spawn(label, [sys.executable, EXAMPLE, *args], env)
+
+    def run(self, label: str, run_args: list[str], *args: str) -> subprocess.Popen[Any]:
+        """``gpupool run RUN_ARGS -- python examples/lightning_train.py ARGS``."""
+        return self.gpupool(label, "run", *run_args, "--", sys.executable, EXAMPLE, *args)
+
+    def log(self, label: str) -> str:
+        p = self.tmp / f"{label}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def status(self, job: str) -> JobStatus | None:
+        got = self.store.get_record(self.keys.job_status(job), JobStatus)
+        return got[0] if got else None
+
+    def state(self, job: str) -> JobState | None:
+        s = self.status(job)
+        return s.state if s else None
+
+    def allocations(self, job: str | None = None) -> list[Allocation]:
+        allocs = [a for a, _ in self.store.list_records(self.keys.allocations_prefix(), Allocation)]
+        return [a for a in allocs if job is None or a.job == job]
+
+    def wait_exit(self, p: subprocess.Popen[Any], label: str, timeout: float = DEADLINE) -> int:
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{label} did not exit within {timeout:g}s; log:\n{self.log(label)[-4000:]}") from None
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        try:
+            self.store.delete_prefix(self.keys.root())
+        finally:
+            self.store.close()
+
+
+@pytest.fixture
+def live_pool(etcd_endpoint: str, keyspace: Keyspace, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LivePool]:
+    """A real pool on the session etcd; process logs are printed when the test fails."""
+    p = LivePool(etcd_endpoint, keyspace, tmp_path)
+    try:
+        yield p
+    finally:
+        rep = getattr(request.node, "rep_call", None)
+        if rep is not None and rep.failed:
+            for f in sorted(tmp_path.glob("*.log")):
+                sys.stderr.write(f"\n----- {f.name} (tail) -----\n{f.read_text(errors='replace')[-5000:]}\n")
+        p.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    if rep.when == "call":
+        item.rep_call = rep  # type: ignore[attr-defined]
