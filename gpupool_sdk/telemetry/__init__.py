@@ -22,6 +22,7 @@ _LAZY: dict[str, str] = {
     "PHASES": "summary",
     "SliceTelemetry": "summary",
     "TelemetrySummary": "summary",
+    "from_phase_timer": "summary",
     "GpuSample": "nvml_sampler",
     "NvmlSampler": "nvml_sampler",
     "NvmlSnapshot": "nvml_sampler",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gpupool_sdk.errors import SpecError
 from gpupool_sdk.resources._fields import check, opt, req
@@ -297,3 +297,57 @@ class TelemetrySummary:
             last_step_at=opt(d, "last_step_at", float, where, None),
             published_at=opt(d, "published_at", float, where, 0.0),
         )
+
+
+class SliceSource(Protocol):
+    """What :func:`from_phase_timer` needs of a sampler (:class:`~gpupool_sdk.telemetry.nvml_sampler.NvmlSampler`)."""
+
+    def slices(self) -> list[SliceTelemetry]: ...
+
+
+def from_phase_timer(
+    job: str,
+    step: int,
+    timer_summary: Mapping[str, Any],
+    *,
+    published_at: float,
+    last_step_at: float | None = None,
+    sampler: SliceSource | None = None,
+    memory_peak_bytes: int | None = None,
+    memory_peak_by_phase: Mapping[Any, int] | None = None,
+) -> TelemetrySummary:
+    """Build the summary from ``PhaseTimer.summary()`` plus optional NVML and allocator figures.
+
+    Args:
+        job: the job name.
+        step: the global step.
+        timer_summary: the dict ``PhaseTimer.summary()`` returns (``phase_s``, ``steps_per_s``,
+            ``steps``, ``step_time_s``).
+        published_at: wall-clock time now.
+        last_step_at: wall-clock end of the last step (defaults to ``published_at``).
+        sampler: an :class:`~gpupool_sdk.telemetry.nvml_sampler.NvmlSampler` (started), for
+            per-slice memory and utilisation; None on the CPU.
+        memory_peak_bytes: the allocator's per-slice peak in the window (e.g.
+            ``torch.cuda.max_memory_reserved()`` since the last publication), if known; wins over NVML's.
+        memory_peak_by_phase: per-phase peaks, if the caller tracks them.
+
+    Example:
+        >>> s = from_phase_timer("bert", 10, {"phase_s": {"data": 0.1, "forward": 0.3}, "steps_per_s": 2.5,
+        ...                      "steps": 50, "step_time_s": {"mean": 0.4}}, published_at=0.0)
+        >>> (s.window_s, round(s.phase_fraction["forward"], 2))
+        (20.0, 0.75)
+    """
+    steps = int(timer_summary.get("steps", 0) or 0)
+    mean = float((timer_summary.get("step_time_s") or {}).get("mean", 0.0) or 0.0)
+    return TelemetrySummary.build(
+        job,
+        step=step,
+        steps_per_s=float(timer_summary.get("steps_per_s", 0.0) or 0.0),
+        window_s=mean * steps,
+        phase_seconds=timer_summary.get("phase_s") or {},
+        published_at=published_at,
+        memory_peak_by_phase=memory_peak_by_phase,
+        slices=sampler.slices() if sampler is not None else (),
+        memory_peak_bytes=memory_peak_bytes,
+        last_step_at=published_at if last_step_at is None else last_step_at,
+    )

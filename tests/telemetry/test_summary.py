@@ -102,3 +102,23 @@ def test_reads_the_store_envelope_too() -> None:
     bare = {k: v for k, v in t.to_dict().items() if k not in ("job", "published_at")}
     back = decode("/p/telemetry/bert", encode(TelemetryRecord(job="bert", at=7.0, summary=bare)), TelemetrySummary)
     assert back.job == "bert" and back.published_at == 7.0 and back.phase_seconds == t.phase_seconds
+
+
+def test_from_phase_timer_with_a_real_timer_and_a_sampler() -> None:
+    from gpupool_sdk.telemetry.phases import Phase, PhaseTimer
+    from gpupool_sdk.telemetry.summary import from_phase_timer
+
+    timer = PhaseTimer()
+    for _ in range(3):
+        timer.add(Phase.DATA, 0.1)
+        timer.add(Phase.FORWARD, 0.3)
+        timer.step_end()
+
+    class Sampler:
+        def slices(self) -> list[SliceTelemetry]:
+            return [SliceTelemetry("GPU-1", memory_used_bytes=GiB, util=0.5, memory_peak_bytes=2 * GiB)]
+
+    s = from_phase_timer("bert", 3, timer.summary(), published_at=9.0, sampler=Sampler())
+    assert s.phase_fraction["data"] == pytest.approx(0.25)
+    assert s.gpu_util == 0.5 and s.memory_peak_bytes == 2 * GiB and s.last_step_at == 9.0
+    assert decode("/p/telemetry/bert", encode(s), TelemetrySummary) == s
