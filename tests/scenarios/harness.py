@@ -1,4 +1,4 @@
-"""Scenario harness: real etcd, real ``gpupool coordinator`` processes, simulated GPUs, job clients.
+"""Scenario harness (fixtures in ``conftest.py``): real etcd, real ``gpupool coordinator`` processes, simulated GPUs, job clients.
 
 * Coordinators are ``python -m gpupool_sdk.cli.main coordinator`` subprocesses (killed with real
   signals) with small timings: TTL 3 s, loop_wait 0.5 s.
@@ -10,22 +10,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
-
-import pytest
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import StoreError
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import Ack, Allocation, Directive, JobSpec, JobState, JobStatus, LeaderRecord, NodeInfo
+from gpupool_sdk.resources import (
+    Ack,
+    Allocation,
+    Directive,
+    JobSpec,
+    JobState,
+    JobStatus,
+    LeaderRecord,
+    NodeInfo,
+)
 from gpupool_sdk.store import EtcdStore, LeaseKeeper
 from gpupool_sdk.store.codec import decode, decode_dict
 from gpupool_sdk.store.keyspace import Keyspace
@@ -62,6 +70,7 @@ class Job:
         self.spec = spec
         self.name = spec.name
         self.lost = False
+        self.acked_seq = 0
         self.keeper = LeaseKeeper(pool.store, JOB_TIMING, on_lost=self._on_lost)
         self.lease = self.keeper.start()
         created = pool.store.create(pool.keys.job_spec(spec.name), spec, lease=self.lease)
@@ -98,6 +107,21 @@ class Job:
     def ack(self, directive: Directive, step: int = 100, checkpoint: str | None = None) -> None:
         ack = Ack(seq=directive.seq, step=step, checkpoint=checkpoint or f"/ckpt/{self.name}/step{step}.ckpt", at=time.time())
         self.pool.store.put(self.pool.keys.ack(self.name), ack, lease=self.lease)
+        self.acked_seq = directive.seq
+
+    def cooperate(self) -> bool:
+        """Behave like a well-mannered client for one step: ack a new directive; on SUSPENDED, exit.
+
+        Returns:
+            False once the job has left (released after its preemption).
+        """
+        d = self.directive()
+        if d is not None and d.seq > self.acked_seq:
+            self.ack(d)
+        if self.state() is JobState.SUSPENDED:
+            self.release()
+            return False
+        return True
 
     def alive(self) -> bool:
         return self.pool.store.lease_info(self.lease) is not None
@@ -142,10 +166,14 @@ class Pool:
         path = self.tmp_path / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def gpus(self, spec: str) -> list[str]:
-        """Make GPUs appear as an agent with ``--simulate spec`` would; returns their UUIDs in order."""
+    def gpus(self, spec: str, agent: bool = True) -> list[str]:
+        """Make GPUs appear as an agent with ``--simulate spec`` would; returns their UUIDs in order.
+
+        With ``agent`` (and the agent command present) a real ``gpupool agent`` process publishes
+        them; otherwise the test publishes the same records under a lease of its own.
+        """
         infos = parse_cluster_spec(spec)
-        if importlib.util.find_spec("gpupool_sdk.cli.agent_cmd") is not None and os.environ.get("GPUPOOL_TEST_NO_AGENT") != "1":
+        if agent and importlib.util.find_spec("gpupool_sdk.cli.agent_cmd") is not None and os.environ.get("GPUPOOL_TEST_NO_AGENT") != "1":
             self._spawn(f"agent-{len(self.procs)}", ["agent", "--endpoints", self.endpoint, "--prefix", self.keys.prefix,
                                                       "--simulate", spec])
             want = {g.uuid for g in infos}
@@ -202,10 +230,8 @@ class Pool:
 
     def close(self) -> None:
         for job in self.jobs:
-            try:
+            with contextlib.suppress(StoreError):
                 job.keeper.stop(revoke=True)
-            except StoreError:
-                pass
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -221,24 +247,3 @@ class Pool:
             self.store.delete_prefix(self.keys.root())
         finally:
             self.store.close()
-
-
-@pytest.fixture
-def pool(etcd_endpoint: str, keyspace: Keyspace, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pool]:
-    """A scenario pool; on failure the process logs are printed."""
-    p = Pool(etcd_endpoint, keyspace, tmp_path)
-    try:
-        yield p
-    finally:
-        rep = getattr(request.node, "rep_call", None)
-        if rep is not None and rep.failed:
-            for f in sorted(tmp_path.glob("*.log")):
-                sys.stderr.write(f"\n----- {f.name} (tail) -----\n{f.read_text(errors='replace')[-4000:]}\n")
-        p.close()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    rep = outcome.get_result()
-    setattr(item, f"rep_{rep.when}", rep)

@@ -6,8 +6,7 @@ import pytest
 
 from gpupool_sdk.errors import SpecError
 from gpupool_sdk.resources import DirectiveKind, GiB, JobSpec, JobState
-
-from scenarios.conftest import Pool, wait_for
+from scenarios.harness import Pool, wait_for
 
 
 def test_grant_puts_allocations_on_the_jobs_lease(pool: Pool) -> None:
