@@ -114,6 +114,7 @@ class NodeAgent:
         self._lease_lost = threading.Event()
         self._next_at = 0.0
         self._registered = False
+        self._generation = 0
         self._health: dict[str, bool] = {}
         self._warned: set[str] = set()
         self.registrations = 0
@@ -207,8 +208,11 @@ class NodeAgent:
 
     # ---------------------------------------------------------------------------- internals
 
-    def _on_lost(self, reason: GpupoolError) -> None:
-        # Called from the keeper thread: only flag it; the agent's loop re-registers.
+    def _on_lost(self, generation: int, reason: GpupoolError) -> None:
+        # Called from a keeper thread: only flag it; the agent's loop re-registers. A keeper of an
+        # earlier registration may report its (already replaced) lease late: ignore it.
+        if generation != self._generation:
+            return
         self._lease_lost.set()
         self.wake.set()
 
@@ -225,7 +229,9 @@ class NodeAgent:
         if old is not None:
             old.stop(revoke=True)  # best effort: a lease we gave up must not keep stale keys alive
         self._lease_lost.clear()
-        keeper = LeaseKeeper(self.store, self.timing, on_lost=self._on_lost)
+        self._generation += 1
+        generation = self._generation
+        keeper = LeaseKeeper(self.store, self.timing, on_lost=lambda reason: self._on_lost(generation, reason))
         lease = keeper.start()
         self._keeper = keeper
         self._registered = True

@@ -1,0 +1,165 @@
+"""NodeAgent in-process against a real etcd: publication, reconciliation, lease loss, stop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from gpupool_sdk.agent import NodeAgent, publishable, run_agents
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.inventory import simulated_backends
+from gpupool_sdk.resources import GpuHealth, GpuInfo, NodeInfo
+from gpupool_sdk.store.codec import decode
+
+TIMING = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > end:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def agents():
+    made: list[NodeAgent] = []
+    yield made
+    for a in made:
+        a.stop(revoke=True)
+
+
+def make(store, agents, spec="n:4xH100-80GB:nvlink", **kw) -> NodeAgent:
+    (backend,) = simulated_backends(spec)
+    a = NodeAgent(store, backend, TIMING, refresh_interval_s=kw.pop("refresh", 0.2), **kw)
+    agents.append(a)
+    return a
+
+
+def keys_of(store, node="n"):
+    kvs, _ = store.get_prefix(store.keys.gpus_prefix(node))
+    node_kv = store.get(store.keys.node(node))
+    return {kv.key: kv for kv in [*kvs, *([node_kv] if node_kv else [])]}
+
+
+def test_start_publishes_on_one_lease(store, agents):
+    a = make(store, agents)
+    lease = a.start()
+    keys = keys_of(store)
+    assert len(keys) == 5 and {kv.lease for kv in keys.values()} == {lease}
+    info = store.get_record(store.keys.node("n"), NodeInfo)[0]
+    assert info.gpu_count == 4 and info.backend == "simulated"
+    assert sorted(store.lease_info(lease).keys) == sorted(keys)
+
+
+def test_refresh_rewrites_only_changed_gpus(store, agents):
+    a = make(store, agents)
+    a.start()
+    before = keys_of(store)
+    assert a.refresh() == 0
+    a.backend.set_health("GPU-sim-n-2", GpuHealth(healthy=False, reasons=("test",)))
+    assert a.refresh() == 1
+    after = keys_of(store)
+    changed = [k for k in after if after[k].mod_revision != before[k].mod_revision]
+    assert changed == [store.keys.gpu("n", "GPU-sim-n-2")]
+    g = decode(changed[0], after[changed[0]].value, GpuInfo)
+    assert not g.healthy and g.health.reasons == ("test",)
+
+
+def test_register_takes_over_and_cleans_a_previous_incarnation(store, agents, caplog):
+    old_lease = store.grant_lease(30)
+    store.put(store.keys.node("n"), NodeInfo("n", "old-host", 1, 9, "simulated", 0.0), lease=old_lease)
+    store.put(store.keys.gpu("n", "GPU-gone"), b"{}", lease=old_lease)
+    store.put(store.keys.gpu("n", "GPU-sim-n-0"), b"garbage", lease=old_lease)
+    a = make(store, agents)
+    with caplog.at_level(logging.WARNING, logger="gpupool_sdk.agent.agent"):
+        lease = a.start()
+    keys = keys_of(store)
+    assert store.keys.gpu("n", "GPU-gone") not in keys
+    assert len(keys) == 5 and {kv.lease for kv in keys.values()} == {lease}
+    assert "taking it over" in caplog.text and "old-host" in caplog.text
+    assert store.lease_info(old_lease).keys == []  # nothing of ours stays on the old lease
+
+
+def test_stop_revokes(store, agents):
+    a = make(store, agents)
+    lease = a.start()
+    a.stop()
+    assert keys_of(store) == {}
+    assert store.lease_info(lease) is None
+    assert a.lease_id is None
+
+
+def test_lost_lease_re_registers(store, agents):
+    a = make(store, agents)
+    old = a.start()
+    store.revoke_lease(old)
+    assert keys_of(store) == {}
+
+    def ticked_back() -> bool:
+        a.tick()
+        return a.registered and a.lease_id not in (None, old) and len(keys_of(store)) == 5
+
+    wait_for(ticked_back, "the agent to register again")
+    assert a.registrations == 2
+    # the old lease's keeper reporting its loss late does not unsettle the new registration
+    time.sleep(TIMING.keepalive_interval_s * 3)
+    a.tick()
+    assert a.registrations == 2 and a.registered
+
+
+def test_backend_failure_is_logged_not_raised(store, agents, caplog):
+    a = make(store, agents)
+    a.start()
+
+    def broken() -> list[GpuInfo]:
+        raise RuntimeError("NVML exploded")
+
+    a.backend.gpus = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="gpupool_sdk.agent.agent"):
+        wait_for(lambda: a.tick() > 0 and "NVML exploded" in caplog.text, "the failure to be logged")
+    assert a.registered
+    assert len(keys_of(store)) == 5  # what was published stays published
+
+
+def test_run_agents_until_stopped(store):
+    backends = simulated_backends("a:2xT4,b:2xT4")
+    wake, stop = threading.Event(), threading.Event()
+    agents = [NodeAgent(store, b, TIMING, refresh_interval_s=0.2, wake=wake) for b in backends]
+    ready = threading.Event()
+    t = threading.Thread(target=run_agents, args=(agents, stop, wake, lambda _: ready.set()))
+    t.start()
+    assert ready.wait(30)
+    assert len(keys_of(store, "a")) == 3 and len(keys_of(store, "b")) == 3
+    assert agents[0].lease_id != agents[1].lease_id
+    stop.set()
+    wake.set()
+    t.join(30)
+    assert not t.is_alive()
+    assert keys_of(store, "a") == {} and keys_of(store, "b") == {}
+
+
+def test_publishable_rounds_noisy_readings():
+    (b,) = simulated_backends("n:1xT4")
+    g = b.gpus()[0]
+    noisy = GpuInfo(**{**g.__dict__, "health": GpuHealth(temperature_c=40.4, power_w=71.9)})
+    p = publishable(noisy)
+    assert (p.health.temperature_c, p.health.power_w) == (40.0, 70.0)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), True])
+def test_bad_refresh_interval(store, bad):
+    (b,) = simulated_backends("n:1xT4")
+    with pytest.raises(ConfigError) as e:
+        NodeAgent(store, b, TIMING, refresh_interval_s=bad)
+    assert e.value.field == "refresh_interval_s"
