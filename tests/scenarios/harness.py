@@ -166,16 +166,25 @@ class Pool:
         path = self.tmp_path / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def gpus(self, spec: str, agent: bool = True) -> list[str]:
+    def has_agent(self) -> bool:
+        """True when the real ``gpupool agent`` command exists (else GPUs are published by the test)."""
+        return (
+            importlib.util.find_spec("gpupool_sdk.cli.agent_cmd") is not None
+            and os.environ.get("GPUPOOL_TEST_NO_AGENT") != "1"
+        )
+
+    def gpus(self, spec: str, agent: bool = True, fault_file: Path | None = None) -> list[str]:
         """Make GPUs appear as an agent with ``--simulate spec`` would; returns their UUIDs in order.
 
         With ``agent`` (and the agent command present) a real ``gpupool agent`` process publishes
-        them; otherwise the test publishes the same records under a lease of its own.
+        them (TTL 3 s, refresh 0.5 s, health faults read from ``fault_file``); otherwise the test
+        publishes the same records under a lease of its own.
         """
         infos = parse_cluster_spec(spec)
-        if agent and importlib.util.find_spec("gpupool_sdk.cli.agent_cmd") is not None and os.environ.get("GPUPOOL_TEST_NO_AGENT") != "1":
+        if agent and self.has_agent():
+            extra = ["--fault-file", str(fault_file)] if fault_file is not None else []
             self._spawn(f"agent-{len(self.procs)}", ["agent", "--endpoints", self.endpoint, "--prefix", self.keys.prefix,
-                                                      "--simulate", spec])
+                                                      "--simulate", spec, "--ttl", "3", "--refresh", "0.5", *extra])
             want = {g.uuid for g in infos}
             wait_for(lambda: want <= set(self.gpu_uuids()), what=f"the agent to publish {spec}")
         else:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from gpupool_sdk.resources import DirectiveKind, GpuHealth, GpuInfo, JobState
 from scenarios.harness import ROOT, Job, Pool, wait_for
@@ -74,17 +76,23 @@ def test_drain_preempts_checkpoint_first_and_the_job_runs_elsewhere(pool: Pool) 
     pool.check()
 
 
-def test_unhealthy_gpu_has_its_job_preempted(pool: Pool) -> None:
-    pool.gpus("node-a:2xH100-80GB:pcie", agent=False)  # the test plays the agent's health verdict
+def test_unhealthy_gpu_has_its_job_preempted(pool: Pool, tmp_path: Path) -> None:
+    faults = tmp_path / "faults.json"
+    faults.write_text("{}")
+    pool.gpus("node-a:2xH100-80GB:pcie", fault_file=faults)
     pool.coordinator("c1")
     job = pool.submit("train", gpus=1, qos="exclusive")
     job.wait_state(JobState.GRANTED)
     alloc = job.allocations()[0]
-    got = pool.store.get_record(pool.keys.gpu(alloc.node, alloc.gpu_uuid), GpuInfo)
-    assert got is not None
-    gpu, kv = got
-    sick = replace(gpu, health=GpuHealth(healthy=False, reasons=("ecc double-bit errors: 2",)))
-    pool.store.put(kv.key, sick, lease=kv.lease)  # what the agent writes on a fatal ECC error
+    if pool.has_agent():
+        # The agent reads the fault file on its next refresh and publishes the GPU as unhealthy.
+        faults.write_text(json.dumps({alloc.gpu_uuid: {"ecc_double_bit": 2}}))
+    else:
+        got = pool.store.get_record(pool.keys.gpu(alloc.node, alloc.gpu_uuid), GpuInfo)
+        assert got is not None
+        gpu, kv = got
+        sick = replace(gpu, health=GpuHealth(healthy=False, reasons=("ecc double-bit errors: 2",)))
+        pool.store.put(kv.key, sick, lease=kv.lease)  # what the agent writes on a fatal ECC error
     _drained_job_moves(pool, job, "unhealthy GPU")
     again = pool.submit("train", gpus=1, qos="exclusive")
     again.wait_state(JobState.GRANTED)
