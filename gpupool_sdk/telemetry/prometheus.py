@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,7 +264,12 @@ def _serve(registry: CollectorRegistry, port: int, addr: str) -> MetricsServer:
 
 
 def serve_metrics(
-    store: Any, port: int, addr: str = "0.0.0.0", prices: PriceTable | None = None, min_interval_s: float = 1.0
+    store: Any,
+    port: int,
+    addr: str = "0.0.0.0",
+    prices: PriceTable | None = None,
+    min_interval_s: float = 1.0,
+    extra_collectors: Iterable[Collector] = (),
 ) -> MetricsServer:
     """Serve the pool metrics read from ``store`` at ``http://addr:port/metrics`` on a daemon thread.
 
@@ -274,6 +279,8 @@ def serve_metrics(
         addr: address to bind.
         prices: price table (default: ``PriceTable.load()``, i.e. ``$GPUPOOL_PRICES`` and the catalog).
         min_interval_s: minimum seconds between two etcd reads.
+        extra_collectors: more collectors to serve on the same endpoint (e.g. the coordinator's
+            own cycle counters).
 
     Raises:
         ConfigError: the port is invalid or taken.
@@ -288,6 +295,8 @@ def serve_metrics(
             lambda: load_view(store), prices if prices is not None else PriceTable.load(), min_interval_s
         )
     )
+    for c in extra_collectors:
+        registry.register(c)
     return _serve(registry, port, addr)
 
 

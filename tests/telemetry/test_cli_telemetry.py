@@ -115,3 +115,31 @@ def test_bad_price_file_is_a_usage_error(tmp_path: Path, etcd_endpoint: str, key
 def test_bad_watch_interval(etcd_endpoint: str, keyspace: Keyspace) -> None:
     res = _run(["top", "-w", "0"], etcd_endpoint, keyspace)
     assert res.exit_code == 2 and "--watch" in res.output
+
+
+def test_metrics_serve_process(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:
+    """The real command in its own process: serves, is scraped, stops cleanly on SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    populate(store)
+    cmd = [sys.executable, "-m", "gpupool_sdk.cli.main", "metrics", "serve", "--port", "0", "--addr", "127.0.0.1",
+           "--endpoints", etcd_endpoint, "--prefix", keyspace.prefix, "--prices", str(prices_file)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "serving gpupool metrics on http://127.0.0.1:" in line, line + (proc.stderr.read() if proc.stderr else "")
+        url = line.split(" on ", 1)[1].split(" ", 1)[0]
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            text = resp.read().decode()
+        assert 'gpupool_job_cost_usd_total{job="bert",owner="nlp"} 8.0' in text
+        assert "gpupool_leader_term 7.0" in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
