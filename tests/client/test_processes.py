@@ -185,3 +185,40 @@ def test_helper_keeps_the_lease_alive_past_its_ttl(etcd_endpoint: str, store: Et
         assert lease.active and not lease.lost
         lease.release()
         assert store.lease_info(lease.etcd_lease_id) is None
+
+
+def test_etcd_unreachable_at_acquire_is_a_typed_error() -> None:
+    from gpupool_sdk.errors import StoreUnavailableError
+    from gpupool_sdk.store.launcher import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    with PoolClient(endpoints=dead, timeout_s=0.5) as pool, pytest.raises(StoreUnavailableError, match=dead):
+        pool.acquire(JobSpec(name="j", memory="1GiB"), timeout=5)
+
+
+def test_keepalive_failing_beyond_the_ttl_fences_the_lease(tmp_path: Path) -> None:
+    from gpupool_sdk.errors import LeaseLostError
+    from gpupool_sdk.store import EtcdServer, Keyspace
+
+    server = EtcdServer(data_dir=tmp_path / "d", name="fence").start()
+    store = EtcdStore(server.endpoint, keyspace=Keyspace("/fence"), timeout_s=1)
+    timing = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
+    try:
+        leader = LeaderStub(store)
+        with PoolClient(endpoints=server.endpoint, prefix="/fence", timing=timing, timeout_s=1) as pool:
+            box: dict[str, object] = {}
+            t = threading.Thread(target=lambda: box.setdefault("lease", pool.acquire(JobSpec(name="j", memory="1GiB"), timeout=60)))
+            t.start()
+            leader.grant("j")
+            t.join(30)
+            lease = box["lease"]
+            assert isinstance(lease, Lease) and lease.allocations
+            lost: list[GpupoolError] = []
+            lease.add_lost_callback(lost.append)
+            server.kill()
+            wait_for(lambda: lost)
+            assert isinstance(lost[0], LeaseLostError) and "stepping down" in str(lost[0])
+            assert lease.lost and lease.allocations == () and lease.visible_devices == ""
+    finally:
+        store.close()
+        server.stop()
