@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -142,6 +143,7 @@ class Pool:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.keepers: list[LeaseKeeper] = []
         self.jobs: list[Job] = []
+        self._names: dict[int, str] = {}
 
     # processes --------------------------------------------------------------
 
@@ -207,6 +209,25 @@ class Pool:
         job = Job(self, JobSpec(name=name, **kw))
         self.jobs.append(job)
         return job
+
+    def client(self, spec: JobSpec, *extra: str) -> subprocess.Popen[bytes]:
+        """Start a real job process (``client_proc.py``) that acquires ``spec`` through ``PoolClient``."""
+        name = f"client-{spec.name}-{len(self.procs)}"
+        log = open(self.tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        p = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("client_proc.py")), self.endpoint, self.keys.prefix,
+             json.dumps(spec.to_dict()), *extra],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.procs.append(p)
+        self._names[p.pid] = name
+        return p
+
+    def output(self, proc: subprocess.Popen[bytes]) -> str:
+        return self.log(self._names[proc.pid])
+
+    def wait_output(self, proc: subprocess.Popen[bytes], text: str, timeout: float = DEADLINE) -> str:
+        return wait_for(lambda: text in self.output(proc) and self.output(proc), timeout, f"{text!r} from {self._names[proc.pid]}")
 
     # reads ------------------------------------------------------------------
 

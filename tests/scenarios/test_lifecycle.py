@@ -106,3 +106,22 @@ def test_impossible_specs_are_rejected_with_the_reason(pool: Pool) -> None:
     assert too_many.wait_state(JobState.REJECTED).reason
     ok.wait_state(JobState.GRANTED)
     pool.check()
+
+
+def test_real_client_processes_preempt_ack_and_grant(pool: Pool) -> None:
+    pool.gpus("node-a:1xH100-80GB:pcie")
+    pool.coordinator("c1")
+    low = pool.client(JobSpec(name="low", gpus=1, qos="exclusive", priority=1))
+    pool.wait_output(low, "GRANTED")
+    high = pool.client(JobSpec(name="high", gpus=1, qos="exclusive", priority=10))
+    assert low.wait(60) == 75, "a preempted job exits with EX_TEMPFAIL after its checkpoint and ack"
+    assert "DIRECTIVE preempt" in pool.output(low)
+    pool.wait_output(high, "GRANTED")
+    resume = wait_for(lambda: pool.resume("low"), what="checkpoints/low")
+    assert resume.last_checkpoint is not None and resume.last_checkpoint.path.startswith("/ckpt/low/")
+    pool.check()
+    # A client killed outright loses its grants when its lease expires, with no one's help.
+    high.kill()
+    high.wait(10)
+    wait_for(lambda: not pool.allocations(), what="the killed job's grants to expire with its lease")
+    pool.check()
