@@ -34,6 +34,9 @@ from gpupool_sdk.telemetry.pricing import PriceTable
 from gpupool_sdk.telemetry.report import phase_bar, top_report
 from gpupool_sdk.telemetry.view import PoolView, load_view
 
+# Indirection so tests can interrupt the watch loop without patching the time module for everyone.
+_sleep = time.sleep
+
 
 def timeout_option(f: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
@@ -128,7 +131,7 @@ def watch_loop(
             first = False
             if watch_s is None:
                 return
-            time.sleep(watch_s)
+            _sleep(watch_s)
     except KeyboardInterrupt:
         return
 

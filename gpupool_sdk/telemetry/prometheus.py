@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from gpupool_sdk.errors import ConfigError, GpupoolError
 from gpupool_sdk.resources import QoS
 from gpupool_sdk.telemetry.pricing import PriceTable
+from gpupool_sdk.telemetry.report import gpu_rows
 from gpupool_sdk.telemetry.summary import PHASES, TelemetrySummary
 from gpupool_sdk.telemetry.usage import hourly_cost, slice_share
 from gpupool_sdk.telemetry.view import PoolView, load_view
@@ -117,6 +118,21 @@ def pool_metrics(view: PoolView, prices: PriceTable) -> Iterator[Metric]:
         slices.add_metric([g.node, uuid], n)
         cordoned.add_metric([g.node, uuid], 1.0 if uuid in view.cordoned else 0.0)
     yield from (mem, mem_alloc, comp_alloc, slices, cordoned)
+
+    g_util = GaugeMetricFamily(
+        "gpupool_gpu_utilization_ratio",
+        "Highest SM utilisation the GPU's jobs report on it (0-1; device-wide when NVML has no per-process samples).",
+        labels=["node", "gpu"],
+    )
+    g_used = GaugeMetricFamily(
+        "gpupool_gpu_memory_used_bytes", "Device memory the GPU's jobs report using on it.", labels=["node", "gpu"]
+    )
+    for row in gpu_rows(view):
+        if row["util"] is not None:
+            g_util.add_metric([row["node"], row["gpu"]], row["util"])
+        if row["memory_used_bytes"] is not None:
+            g_used.add_metric([row["node"], row["gpu"]], row["memory_used_bytes"])
+    yield from (g_util, g_used)
 
     jobs = GaugeMetricFamily("gpupool_jobs", "Live jobs by state and QoS class.", labels=["state", "qos"])
     job_counts = Counter(

@@ -143,3 +143,23 @@ def test_metrics_serve_process(store: Any, etcd_endpoint: str, keyspace: Keyspac
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_watch_renders_until_interrupted(
+    store: Any, etcd_endpoint: str, keyspace: Keyspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpupool_sdk.cli.top_cmd as top_cmd
+
+    populate(store)
+    sleeps: list[float] = []
+
+    def fake_sleep(s: float) -> None:
+        sleeps.append(s)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the second wait
+
+    monkeypatch.setattr(top_cmd, "_sleep", fake_sleep)
+    res = _run(["top", "-o", "json", "-w", "2"], etcd_endpoint, keyspace)
+    assert res.exit_code == 0, res.output
+    assert sleeps == [2.0, 2.0]
+    assert res.stdout.count('"revision"') == 2  # two refreshes, each a full document

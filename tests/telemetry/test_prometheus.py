@@ -45,6 +45,8 @@ def test_pool_metrics_from_real_etcd(store: Any) -> None:
     assert _get(m, "gpupool_gpu_memory_allocated_bytes", node="node-a", gpu="GPU-a0") == 60 * GiB
     assert _get(m, "gpupool_gpu_compute_allocated_ratio", node="node-a", gpu="GPU-a0") == pytest.approx(0.75)
     assert _get(m, "gpupool_gpu_cordoned", node="node-a", gpu="GPU-a1") == 1
+    assert _get(m, "gpupool_gpu_utilization_ratio", node="node-a", gpu="GPU-a0") == pytest.approx(0.8)
+    assert _get(m, "gpupool_gpu_memory_used_bytes", node="node-a", gpu="GPU-a0") == 28 * GiB
     assert _get(m, "gpupool_jobs", state="GRANTED", qos="guaranteed") == 1
     assert _get(m, "gpupool_jobs", state="GRANTED", qos="shared") == 1
     assert _get(m, "gpupool_jobs", state="PENDING", qos="guaranteed") == 1
