@@ -70,7 +70,7 @@ def _backends(
     from gpupool_sdk.inventory.nvml import NvmlBackend, NvmlUnavailableError
 
     try:
-        return [NvmlBackend(node=node, thresholds=thresholds)]
+        return [NvmlBackend(node=node or _host_node_name(), thresholds=thresholds)]
     except NvmlUnavailableError as exc:
         raise click.UsageError(
             f"no GPU to publish: {exc}. Example: gpupool agent --node node-a --simulate '4xH100-80GB:nvlink'"

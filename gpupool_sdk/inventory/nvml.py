@@ -71,6 +71,7 @@ class NvmlUnavailableError(ConfigError):
 @dataclass
 class _Device:
     handle: Any
+    pos: int  # position in the backend's device list (a GPU NVML cannot read is skipped)
     index: int
     uuid: str
     name: str
@@ -130,7 +131,14 @@ class NvmlBackend:
             if count < 1:
                 raise NvmlUnavailableError("NVML sees no GPU")
             self._driver_version = self._opt("system", "driver_version", nvml.nvmlSystemGetDriverVersion) or ""
-            self._devices = [self._identify(i) for i in range(count)]
+            self._devices: list[_Device] = []
+            for i in range(count):
+                try:
+                    self._devices.append(self._identify(i, pos=len(self._devices)))
+                except nvml.NVMLError as exc:
+                    log.warning("GPU %d cannot be read through NVML (%s); it is not published", i, exc)
+            if not self._devices:
+                raise NvmlUnavailableError(f"none of the {count} GPU(s) NVML lists can be read")
             self._peers, self._islands = self._nvlink_topology()
             self._pcie_paths = self._pcie_groups()
             self._xids: dict[str, set[int]] = {d.uuid: set() for d in self._devices}
@@ -162,8 +170,8 @@ class NvmlBackend:
         for d in self._devices:
             sample = self._sample(d)
             health = judge_health(sample, self._thresholds)
-            peers = tuple(self._devices[j].uuid for j in sorted(self._peers[d.index]))
-            island = self._islands[d.index]
+            peers = tuple(self._devices[j].uuid for j in sorted(self._peers[d.pos]))
+            island = self._islands[d.pos]
             out.append(self._info(d, peers, island, health))
         return out
 
@@ -175,7 +183,7 @@ class NvmlBackend:
 
     # ------------------------------------------------------------------------------- identity
 
-    def _identify(self, index: int) -> _Device:
+    def _identify(self, index: int, pos: int) -> _Device:
         nv = self._nvml
         h = nv.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(nv.nvmlDeviceGetUUID(h))
@@ -191,6 +199,7 @@ class NvmlBackend:
         bus_id = _bus_id(pci) if pci is not None else ""
         return _Device(
             handle=h,
+            pos=pos,
             index=index,
             uuid=uuid,
             name=name,
@@ -244,7 +253,7 @@ class NvmlBackend:
     def _nvlink_topology(self) -> tuple[list[set[int]], list[int | None]]:
         nv = self._nvml
         n = len(self._devices)
-        by_bus = {d.bus_id: d.index for d in self._devices if d.bus_id}
+        by_bus = {d.bus_id: d.pos for d in self._devices if d.bus_id}
         peers: list[set[int]] = [set() for _ in range(n)]
         on_switch: set[int] = set()
         max_links = int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))
@@ -261,24 +270,24 @@ class NvmlBackend:
                     continue
                 remote = self._opt(d.uuid, "nvlink_remote_pci", lambda d=d, link=link: nv.nvmlDeviceGetNvLinkRemotePciInfo(d.handle, link))
                 remote_bus = _bus_id(remote) if remote is not None else ""
-                if remote_bus in by_bus and by_bus[remote_bus] != d.index:
-                    peers[d.index].add(by_bus[remote_bus])
-                    peers[by_bus[remote_bus]].add(d.index)
+                if remote_bus in by_bus and by_bus[remote_bus] != d.pos:
+                    peers[d.pos].add(by_bus[remote_bus])
+                    peers[by_bus[remote_bus]].add(d.pos)
                     continue
                 rtype = self._opt(d.uuid, "nvlink_remote_type", lambda d=d, link=link: nv.nvmlDeviceGetNvLinkRemoteDeviceType(d.handle, link)) if hasattr(nv, "nvmlDeviceGetNvLinkRemoteDeviceType") else None
                 if rtype == switch_type:
-                    on_switch.add(d.index)
+                    on_switch.add(d.pos)
         for i in on_switch:  # an NVSwitch fabric is all-to-all
             peers[i].update(on_switch - {i})
         p2p_ok = getattr(nv, "NVML_P2P_STATUS_OK", 0)
         nvlink_cap = getattr(nv, "NVML_P2P_CAPS_INDEX_NVLINK", 2)
         if hasattr(nv, "nvmlDeviceGetP2PStatus"):
             for a in self._devices:
-                for b in self._devices[a.index + 1 :]:
+                for b in self._devices[a.pos + 1 :]:
                     status = self._opt(a.uuid, "p2p_nvlink", lambda a=a, b=b: nv.nvmlDeviceGetP2PStatus(a.handle, b.handle, nvlink_cap))
                     if status is not None and status == p2p_ok:
-                        peers[a.index].add(b.index)
-                        peers[b.index].add(a.index)
+                        peers[a.pos].add(b.pos)
+                        peers[b.pos].add(a.pos)
         islands: list[int | None] = [None] * n
         next_island = 0
         for start in range(n):
@@ -308,14 +317,14 @@ class NvmlBackend:
             return i
 
         for a in self._devices:
-            for b in self._devices[a.index + 1 :]:
+            for b in self._devices[a.pos + 1 :]:
                 level = self._opt(a.uuid, "topology_common_ancestor", lambda a=a, b=b: nv.nvmlDeviceGetTopologyCommonAncestor(a.handle, b.handle))
                 if level is not None and int(level) <= multiple:
-                    ra, rb = find(a.index), find(b.index)
+                    ra, rb = find(a.pos), find(b.pos)
                     parent[max(ra, rb)] = min(ra, rb)
         paths = []
         for d in self._devices:
-            root = self._devices[find(d.index)]
+            root = self._devices[find(d.pos)]
             paths.append(f"pci:{root.bus_id or root.index}")
         return paths
 
@@ -420,7 +429,7 @@ class NvmlBackend:
             features=tuple(features),
             nvlink_peers=peers,
             nvlink_island=island,
-            pcie_path=self._pcie_paths[d.index],
+            pcie_path=self._pcie_paths[d.pos],
             numa_node=d.numa_node,
             health=health,
             simulated=False,

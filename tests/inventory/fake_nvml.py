@@ -39,6 +39,7 @@ class FakeGpu:
     power_mw: int | None = 90_000
     ecc: int | None = 0
     lost: bool = False
+    unreadable: bool = False  # NVML cannot even read its UUID (lost before the agent started)
 
     @property
     def uuid(self) -> str:
@@ -126,6 +127,8 @@ class FakeNvml:
 
     # identity
     def nvmlDeviceGetUUID(self, h: FakeGpu) -> str:
+        if h.unreadable:
+            raise err(_real.NVML_ERROR_GPU_IS_LOST)
         return h.uuid
 
     def nvmlDeviceGetName(self, h: FakeGpu) -> bytes:

@@ -210,3 +210,23 @@ def test_real_gpu_inventory():
         assert backend.node_info().driver_version
     finally:
         backend.close()
+
+
+def test_unreadable_gpu_is_skipped_and_topology_still_holds(fake_sysfs, caplog):
+    gpus = two_island_box()
+    gpus[1].unreadable = True
+    with caplog.at_level(logging.WARNING, logger="gpupool_sdk.inventory.nvml"):
+        backend = NvmlBackend(node="n", nvml=FakeNvml(gpus), sysfs_root=fake_sysfs)
+    out = backend.gpus()
+    assert [g.index for g in out] == [0, 2, 3, 4, 5, 6, 7]
+    assert [g.nvlink_island for g in out] == [0, 0, 0, 1, 1, 1, 1]
+    assert set(out[0].nvlink_peers) == {out[1].uuid, out[2].uuid}
+    assert backend.node_info().gpu_count == 7
+    assert "GPU 1 cannot be read" in caplog.text
+    backend.close()
+
+
+def test_every_gpu_unreadable_is_unavailable(fake_sysfs):
+    gpus = [FakeGpu(index=0, unreadable=True)]
+    with pytest.raises(NvmlUnavailableError):
+        NvmlBackend(node="n", nvml=FakeNvml(gpus), sysfs_root=fake_sysfs)
