@@ -202,3 +202,20 @@ def test_bad_arguments_name_the_field(etcd_endpoint: str) -> None:
         PoolClient(endpoints=etcd_endpoint, timing={"ttl_s": 1})  # type: ignore[arg-type]
     with PoolClient(endpoints=etcd_endpoint) as c, pytest.raises(ConfigError, match="spec"):
         c.acquire({"name": "x"})  # type: ignore[arg-type]
+
+
+def test_in_process_mode_runs_the_same_protocol(etcd_endpoint: str, leader: LeaderStub, store: EtcdStore) -> None:
+    with PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=TIMING, in_process=True, node="node-a") as pool:
+        t, out = acquire_in_thread(pool, spec(), timeout=60)
+        leader.grant("job-a", [("node-a", "GPU-1", 1)])
+        t.join(30)
+        lease = out["lease"]
+        assert isinstance(lease, Lease) and lease.visible_devices == "1"
+        sent = leader.directive("job-a", DirectiveKind.PREEMPT)
+        got = next(lease.directives(timeout=30))
+        lease.ack(got, step=3, checkpoint="/c")
+        ack = leader.read_ack("job-a")
+        assert ack is not None and ack.seq == sent.seq and ack.checkpoint == "/c"
+        lease_id = lease.etcd_lease_id
+    # close() released the lease.
+    assert store.lease_info(lease_id) is None
