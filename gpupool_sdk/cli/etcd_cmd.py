@@ -21,7 +21,7 @@ def _default_data_dir() -> Path:
 
 @click.command("etcd")
 @click.option("--port", type=click.IntRange(1, 65535), default=2379, show_default=True, help="Client port.")
-@click.option("--peer-port", type=click.IntRange(1, 65535), default=None, help="Peer port (default: a free one).")
+@click.option("--peer-port", type=click.IntRange(1, 65535), default=None, help="Peer port (default: --port + 1).")
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -35,12 +35,15 @@ def etcd(port: int, peer_port: int | None, data_dir: Path | None, host: str, tim
 
     Prints the endpoint and the export line the other commands need:
 
-        gpupool etcd --port 2379
+    \b
+        $ gpupool etcd --port 2379
+        etcd gpupool ready on 127.0.0.1:2379 (pid ..., data ...)
         export GPUPOOL_ENDPOINTS=127.0.0.1:2379
     """
-    server = EtcdServer(
-        data_dir=data_dir or _default_data_dir(), client_port=port, peer_port=peer_port, host=host
-    )
+    # A stable peer port: a kept data dir remembers the member's peer URL across restarts.
+    if peer_port is None:
+        peer_port = port + 1 if port < 65535 else port - 1
+    server = EtcdServer(data_dir=data_dir or _default_data_dir(), client_port=port, peer_port=peer_port, host=host)
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
