@@ -48,7 +48,8 @@ for _module, _attr in _COMMANDS:
 def main() -> None:
     """Entry point of the ``gpupool`` console script; maps typed errors to exit codes."""
     try:
-        cli.main(standalone_mode=False)
+        # standalone_mode=False returns ctx.exit(n)'s code instead of exiting: pass it on.
+        rc = cli.main(standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
@@ -64,6 +65,7 @@ def main() -> None:
     except GpupoolError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":
