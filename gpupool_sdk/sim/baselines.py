@@ -1,0 +1,251 @@
+"""Baseline policies run by the same engine as the pool's scheduler.
+
+* :class:`FifoPolicy` (``fifo``): whole GPUs, no sharing, strict FIFO: the job at the head of
+  the queue blocks everyone behind it (a stand-in for a YARN capacity scheduler queue).
+* :class:`TiresiasPolicy` (``tiresias``): Tiresias' discretized two-dimensional
+  least-attained-service (2D-LAS, NSDI'19): attained service = GPUs x executed time; jobs sit in
+  queues cut at ``thresholds_gpu_s``, lower queue first, FIFO by arrival inside a queue; the
+  most-deserving jobs that fit the cluster run and the others are preempted; a job that waited
+  ``starve_ratio`` x its last run is promoted to the first queue. Whole GPUs, no sharing.
+* :class:`BestFitPolicy` (``bestfit``): GPU sharing with best-fit packing (the fractional GPU's
+  with the least leftover first) and no fragmentation awareness, no overcommit, no preemption;
+  priority then FIFO order with backfilling. The comparison point for stranded GPUs (FGD's Best-fit).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.scheduler.types import Decision, Grant, Preempt, SliceGrant
+from gpupool_sdk.sim.engine import RUNNING, SimJob, Simulator
+
+EPS = 1e-9
+
+
+def whole_gpu_grant(sim: Simulator, job: SimJob, gpus: Sequence[int]) -> Grant:
+    """A grant of whole GPUs (all memory, all compute) to ``job``."""
+    return Grant(
+        job.name,
+        tuple(
+            SliceGrant(sim.node_of[g], sim.gpus[g].uuid, sim.gpus[g].index, sim.mem_total[g], 1.0) for g in gpus
+        ),
+        reason="whole GPUs",
+    )
+
+
+def pick_whole_gpus(sim: Simulator, count: int, taken: set[int]) -> list[int] | None:
+    """Choose ``count`` idle GPUs: one node when possible (the one with the fewest idle GPUs that
+    suffice, keeping big holes for big jobs), else the nodes with the most idle GPUs first."""
+    by_node = [(len(free - taken), node) for node, free in sim.idle_by_node.items()]
+    total = sum(n for n, _ in by_node)
+    if total < count:
+        return None
+    fitting = [(n, node) for n, node in by_node if n >= count]
+    if fitting:
+        _, node = min(fitting)
+        free = sorted(sim.idle_by_node[node] - taken)
+        return free[:count]
+    chosen: list[int] = []
+    for _, node in sorted(by_node, key=lambda t: (-t[0], t[1])):
+        for g in sorted(sim.idle_by_node[node] - taken):
+            chosen.append(g)
+            if len(chosen) == count:
+                return chosen
+    return None
+
+
+class _Base:
+    name = "base"
+    uses_protocol = False
+    overcommit_ratio = 1.0
+
+    def bind(self, sim: Simulator) -> None:
+        self.sim = sim
+
+    def slice_demand(self, job: SimJob) -> tuple[float, int]:
+        return 1.0, 0  # whole GPUs: any idle GPU hosts a slice
+
+    def next_wakeup(self, sim: Simulator) -> float | None:
+        return None
+
+
+class FifoPolicy(_Base):
+    """Strict FIFO on whole GPUs (no sharing, no preemption, no backfilling).
+
+    Example:
+        >>> FifoPolicy().name
+        'fifo'
+    """
+
+    name = "fifo"
+
+    def schedule(self, sim: Simulator) -> list[Decision]:
+        out: list[Decision] = []
+        taken: set[int] = set()
+        # Pending jobs in arrival order (dicts keep insertion order; re-queued jobs go last, but
+        # FIFO never preempts so each job is queued exactly once).
+        for job in sim.pending.values():
+            gpus = pick_whole_gpus(sim, job.num_gpu, taken)
+            if gpus is None:
+                break  # head-of-line blocking: nobody overtakes the head
+            taken.update(gpus)
+            out.append(whole_gpu_grant(sim, job, gpus))
+        return out
+
+
+class TiresiasPolicy(_Base):
+    """Discretized 2D-LAS with starvation promotion, preemptive, whole GPUs.
+
+    Args:
+        thresholds_gpu_s: ascending queue thresholds on attained GPU-seconds (K = len + 1 queues).
+        starve_ratio: a pending job that waited ``starve_ratio`` x its last run time is promoted
+            to the first queue (its attained service for queueing restarts from there); 0 disables.
+
+    Example:
+        >>> TiresiasPolicy(thresholds_gpu_s=(3600.0,)).name
+        'tiresias'
+    """
+
+    name = "tiresias"
+
+    def __init__(self, thresholds_gpu_s: Sequence[float] = (3600.0,), starve_ratio: float = 8.0) -> None:
+        ts = tuple(float(t) for t in thresholds_gpu_s)
+        if any(t <= 0 for t in ts) or list(ts) != sorted(set(ts)):
+            raise ConfigError("thresholds_gpu_s", f"must be strictly ascending positive GPU-seconds, got {thresholds_gpu_s}")
+        if starve_ratio < 0:
+            raise ConfigError("starve_ratio", f"must be >= 0, got {starve_ratio}")
+        self.thresholds = ts
+        self.starve_ratio = starve_ratio
+        self._offset: dict[int, float] = {}  # attained GPU-s at the last promotion, per job
+
+    def _attained(self, job: SimJob, now: float) -> float:
+        att = job.attained_gpu_s
+        if job.state == RUNNING:
+            att += (now - job.last) * job.num_gpu
+        return att - self._offset.get(job.index, 0.0)
+
+    def queue_of(self, job: SimJob, now: float) -> int:
+        """The LAS queue of ``job`` now (0 = least attained service)."""
+        return bisect.bisect_right(self.thresholds, self._attained(job, now))
+
+    def _promote(self, sim: Simulator) -> None:
+        if self.starve_ratio <= 0:
+            return
+        now = sim.now
+        for job in sim.pending.values():
+            if job.last_run_s > 0 and now - job.queued_since >= self.starve_ratio * job.last_run_s:
+                self._offset[job.index] = job.attained_gpu_s
+
+    def schedule(self, sim: Simulator) -> list[Decision]:
+        now = sim.now
+        self._promote(sim)
+        active = [j for j in sim.running.values() if j.state == RUNNING]
+        active.extend(sim.pending.values())
+        active.sort(key=lambda j: (self.queue_of(j, now), j.submit, j.index))
+        budget = sum(1 for h in sim.healthy if h)
+        selected: set[int] = set()
+        for job in active:
+            if job.num_gpu <= budget:
+                selected.add(job.index)
+                budget -= job.num_gpu
+            if budget == 0:
+                break
+        out: list[Decision] = []
+        for job in sim.running.values():
+            if job.state == RUNNING and job.index not in selected:
+                out.append(Preempt(job.name, "tiresias: a job in a lower LAS queue needs the GPUs", now))
+        taken: set[int] = set()
+        for job in active:
+            if job.index in selected and job.state != RUNNING:
+                gpus = pick_whole_gpus(sim, job.num_gpu, taken)
+                if gpus is None:
+                    continue  # wait for the preempted jobs to release
+                taken.update(gpus)
+                out.append(whole_gpu_grant(sim, job, gpus))
+        return out
+
+    def next_wakeup(self, sim: Simulator) -> float | None:
+        now = sim.now
+        best: float | None = None
+        for job in sim.running.values():
+            if job.state != RUNNING or job.num_gpu == 0:
+                continue
+            att = self._attained(job, now)
+            q = bisect.bisect_right(self.thresholds, att)
+            if q < len(self.thresholds):
+                t = now + (self.thresholds[q] - att) / job.num_gpu + EPS
+                best = t if best is None else min(best, t)
+        if self.starve_ratio > 0:
+            for job in sim.pending.values():
+                if job.last_run_s > 0:
+                    t = job.queued_since + self.starve_ratio * job.last_run_s
+                    if t > now:
+                        best = t if best is None else min(best, t)
+        return best
+
+
+class BestFitPolicy(_Base):
+    """GPU sharing with best-fit packing, no overcommit, no preemption, backfilling.
+
+    Each job asks ``gpu_fraction`` of a GPU's compute and its memory demand per slice (whole-GPU
+    jobs ask the whole GPU). Jobs are taken by priority class then arrival; a job that does not
+    fit is skipped (backfilling). A fractional slice goes to the shared GPU with the least
+    leftover compute that still fits, else to an idle GPU.
+
+    Example:
+        >>> BestFitPolicy().name
+        'bestfit'
+    """
+
+    name = "bestfit"
+
+    def slice_demand(self, job: SimJob) -> tuple[float, int]:
+        if job.fraction >= 1.0:
+            return 1.0, 0
+        return job.fraction, job.demand
+
+    def schedule(self, sim: Simulator) -> list[Decision]:
+        out: list[Decision] = []
+        taken: set[int] = set()
+        extra_share: dict[int, float] = {}
+        extra_mem: dict[int, int] = {}
+        pend = sorted(sim.pending.values(), key=lambda j: (-_prio_rank(j.tj.priority), j.queued_since, j.index))
+        partial = [g for g in range(len(sim.gpus)) if sim.on_gpu[g] and sim.healthy[g] and sim.alloc_share[g] < 1 - EPS]
+        for job in pend:
+            if job.fraction >= 1.0:
+                gpus = pick_whole_gpus(sim, job.num_gpu, taken)
+                if gpus is None:
+                    continue
+                taken.update(gpus)
+                out.append(whole_gpu_grant(sim, job, gpus))
+                continue
+            share, mem = job.fraction, job.demand
+            best = -1
+            best_left = 2.0
+            for g in partial:
+                left = 1.0 - sim.alloc_share[g] - extra_share.get(g, 0.0) - share
+                if left < -EPS or left >= best_left:
+                    continue
+                if sim.mem_total[g] - sim.alloc_mem[g] - extra_mem.get(g, 0) < mem:
+                    continue
+                best, best_left = g, left
+            if best < 0:
+                idle = pick_whole_gpus(sim, 1, taken)
+                if idle is None:
+                    continue
+                best = idle[0]
+                taken.add(best)
+                partial.append(best)
+            extra_share[best] = extra_share.get(best, 0.0) + share
+            extra_mem[best] = extra_mem.get(best, 0) + mem
+            g = best
+            out.append(
+                Grant(job.name, (SliceGrant(sim.node_of[g], sim.gpus[g].uuid, sim.gpus[g].index, mem, share),), "best fit")
+            )
+        return out
+
+
+def _prio_rank(priority: str) -> int:
+    return {"guaranteed": 3, "ls": 2, "burstable": 1, "be": 0}.get(priority.strip().lower(), 1)

@@ -1,0 +1,796 @@
+"""The discrete-event engine: arrivals, completions, preemption acks, failures, metrics.
+
+State is kept incrementally (per-GPU sums, per-job progress), and the policy is asked for
+decisions only at event times. A policy returns the same decision types as the pure scheduler
+(:mod:`gpupool_sdk.scheduler.types`), and the engine applies them exactly like the coordinator
+would, to its own model:
+
+* ``Grant`` puts the job's slices on the GPUs (the engine checks the capacity invariant);
+* ``Preempt`` stops the job's progress, and ``checkpoint_s`` later the job acks; a policy that
+  speaks the coordinator's protocol (``uses_protocol``) then answers the ack with ``Release``,
+  other policies have the engine release at the ack;
+* ``Release`` frees the slices; SUSPENDED/PENDING jobs are queued again at once (``gpupool
+  run`` re-queues a preempted job), and pay ``restart_s`` of extra work at their next grant;
+* ``Revoke`` frees the slices and loses the work since the last periodic checkpoint;
+* ``Balloon`` makes the job ack ``balloon_s`` later with the target reached; ``Shrink`` rewrites
+  its quota; ``Deflate`` gives it back; ``Reject`` ends the job (counted);
+* ``Queue`` and ``Resize`` (trace jobs are not elastic) change nothing.
+
+Progress model: a job has ``remaining`` seconds of work at speed 1 (alone on what it asked
+for). While running, it advances at its *rate*: the colocation speed from the
+:class:`~gpupool_sdk.sim.workload.WorkloadModel` (product of pairwise Lucid factors with the
+other jobs on its GPU; a gang runs at its slowest GPU's speed), times ``balloon_speed`` while
+it is ballooned below its demand. While preempting (writing its checkpoint) it makes no progress.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gpupool_sdk.errors import ConfigError, GpupoolError
+from gpupool_sdk.resources import GpuInfo, JobState
+from gpupool_sdk.scheduler.types import (
+    Balloon,
+    Decision,
+    Deflate,
+    Grant,
+    Preempt,
+    Queue,
+    Reject,
+    Release,
+    Resize,
+    Revoke,
+)
+from gpupool_sdk.sim.trace import TraceJob
+from gpupool_sdk.sim.workload import WorkloadModel
+
+try:  # Shrink lands with the scheduler; older type modules lack it.
+    from gpupool_sdk.scheduler.types import Shrink
+except ImportError:  # pragma: no cover
+    Shrink = None  # type: ignore[assignment,misc]
+
+EPS = 1e-9
+
+# Job states inside the engine.
+FUTURE = "future"
+PENDING = "pending"
+RUNNING = "running"
+PREEMPTING = "preempting"
+DONE = "done"
+REJECTED = "rejected"
+
+# Event kinds (the order breaks ties at equal times: completions free GPUs before arrivals queue).
+_COMPLETE, _ACK, _BALLOON_ACK, _FAIL, _REPAIR, _ARRIVAL, _WAKE = range(7)
+
+
+class SimulationError(GpupoolError):
+    """A policy produced a decision the engine cannot apply (over capacity, unknown job or GPU)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Engine settings, validated at construction.
+
+    Attributes:
+        checkpoint_s: time from a preempt directive to the job's ack (checkpoint write).
+        restart_s: extra work a preempted or failed job does when it runs again (restart and
+            reload); ``checkpoint_s + restart_s`` is the preemption cost (30 s as in Pollux).
+        balloon_s: time from a balloon directive to its ack.
+        balloon_speed: speed factor of a job while ballooned below its memory demand (offload).
+        checkpoint_interval_s: periodic checkpoints; a failed or revoked job loses the work since the last one.
+        failure_mtbf_h: mean time between failures of one GPU, hours (None: no failures).
+        repair_s: how long a failed GPU stays out.
+        tick_s: while jobs are pending the policy is also called every ``tick_s`` (aging,
+            reservations, starvation); 0 = only at events.
+        stranded_samples: how many times over the run the stranded-GPU fraction is sampled.
+        seed: seeds failures.
+        clip_memory: clip a job's memory demand to the largest GPU (else such jobs are rejected).
+        view_refresh_s: the gpupool adapter rebuilds a running job's view (attained service) when
+            it is older than this.
+    """
+
+    checkpoint_s: float = 10.0
+    restart_s: float = 20.0
+    balloon_s: float = 5.0
+    balloon_speed: float = 0.9
+    checkpoint_interval_s: float = 1800.0
+    failure_mtbf_h: float | None = None
+    repair_s: float = 3600.0
+    tick_s: float = 60.0
+    stranded_samples: int = 2000
+    seed: int = 0
+    clip_memory: bool = True
+    view_refresh_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint_s", "restart_s", "balloon_s", "repair_s", "tick_s", "view_refresh_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(name, f"must be a finite number of seconds >= 0, got {v}")
+        if not 0 < self.balloon_speed <= 1:
+            raise ConfigError("balloon_speed", f"must be in (0, 1], got {self.balloon_speed}")
+        if not self.checkpoint_interval_s > 0:
+            raise ConfigError("checkpoint_interval_s", f"must be > 0, got {self.checkpoint_interval_s}")
+        if self.failure_mtbf_h is not None and not self.failure_mtbf_h > 0:
+            raise ConfigError("failure_mtbf_h", f"must be > 0 hours (or None for no failures), got {self.failure_mtbf_h}")
+        if self.stranded_samples < 1:
+            raise ConfigError("stranded_samples", f"must be >= 1, got {self.stranded_samples}")
+
+
+class SimJob:
+    """A job's mutable state inside one simulation run."""
+
+    __slots__ = (
+        "tj", "name", "index", "num_gpu", "fraction", "demand", "util", "label", "state", "remaining",
+        "rate", "last", "gpus", "shares", "mems", "balloon_factor", "submit", "first_start", "end",
+        "queued_since", "pending_s", "run_s", "last_run_s", "run_start", "attained_gpu_s", "preemptions",
+        "failures", "restarts", "version", "granted_at", "directive_seq", "directive_kind", "directive_deadline",
+        "directive_target", "directive_for", "acked", "ack_reached", "peak_known", "policy_data", "reject_reason",
+    )
+
+    def __init__(self, tj: TraceJob, demand: int, util: float, label: int) -> None:
+        self.tj = tj
+        self.name = tj.name
+        self.index = tj.index
+        self.num_gpu = tj.num_gpu
+        self.fraction = tj.gpu_fraction
+        self.demand = demand
+        self.util = util
+        self.label = label
+        self.state = FUTURE
+        self.remaining = tj.duration_s
+        self.rate = 0.0
+        self.last = 0.0
+        self.gpus: list[int] = []
+        self.shares: list[float] = []
+        self.mems: list[int] = []
+        self.balloon_factor = 1.0
+        self.submit = tj.submit_s
+        self.first_start: float | None = None
+        self.end: float | None = None
+        self.queued_since = tj.submit_s
+        self.pending_s = 0.0
+        self.run_s = 0.0
+        self.last_run_s = 0.0
+        self.run_start = 0.0
+        self.attained_gpu_s = 0.0
+        self.preemptions = 0
+        self.failures = 0
+        self.restarts = 0
+        self.version = 0
+        self.granted_at = 0.0
+        self.directive_seq = 0
+        self.directive_kind: str | None = None
+        self.directive_deadline = 0.0
+        self.directive_target = 0
+        self.directive_for: str | None = None
+        self.acked = False
+        self.ack_reached: int | None = None
+        self.peak_known = False
+        self.policy_data: object = None
+        self.reject_reason = ""
+
+
+class SimPolicy(Protocol):
+    """A scheduling policy the engine can run.
+
+    Attributes:
+        name: shown in reports.
+        uses_protocol: True when the policy answers preempt acks with ``Release`` itself (the
+            coordinator's protocol); False to have the engine release at the ack.
+    """
+
+    name: str
+    uses_protocol: bool
+
+    def bind(self, sim: Simulator) -> None:
+        """Called once before the run, with the engine whose state the policy reads."""
+
+    def schedule(self, sim: Simulator) -> Sequence[Decision]:
+        """Decisions for the current instant ``sim.now``."""
+
+    def slice_demand(self, job: SimJob) -> tuple[float, int]:
+        """(compute share, memory bytes) one slice of ``job`` would take under this policy (for stranding)."""
+
+    def next_wakeup(self, sim: Simulator) -> float | None:
+        """An extra time at which the policy wants to be called (None: only at events and ticks)."""
+
+
+@dataclass
+class Timeline:
+    """Cluster state after each event time (for plots): times and utilization fractions."""
+
+    t: list[float] = field(default_factory=list)
+    alloc: list[float] = field(default_factory=list)
+    used: list[float] = field(default_factory=list)
+    mem: list[float] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SimResult:
+    """Raw outcome of one run (metrics are computed from it in :mod:`gpupool_sdk.sim.metrics`)."""
+
+    policy: str
+    jobs: list[SimJob]
+    num_gpus: int
+    total_memory: int
+    makespan_s: float
+    alloc_gpu_s: float
+    used_gpu_s: float
+    used_mem_byte_s: float
+    granted_mem_byte_s: float
+    stranded_gpu_s: float
+    free_while_pending_gpu_s: float
+    preemptions: int
+    failures: int
+    revokes: int
+    balloons: int
+    cycles: int
+    timeline: Timeline
+    wall_s: float = 0.0
+
+
+class Simulator:
+    """One run of one policy over one trace on one cluster.
+
+    Args:
+        jobs: the trace's jobs (sorted by arrival).
+        gpus: the cluster (from :func:`gpupool_sdk.inventory.simulated.parse_cluster_spec`).
+        policy: what decides.
+        workload: memory demand, utilization profile and colocation speed of each job.
+        config: engine settings.
+
+    Example:
+        >>> from gpupool_sdk.sim.policies import FifoPolicy  # doctest: +SKIP
+        >>> result = Simulator(trace.jobs, gpus, FifoPolicy(), WorkloadModel()).run()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        jobs: Sequence[TraceJob],
+        gpus: Sequence[GpuInfo],
+        policy: SimPolicy,
+        workload: WorkloadModel,
+        config: SimConfig | None = None,
+    ) -> None:
+        if not gpus:
+            raise ConfigError("cluster", "has no GPUs; give a spec such as '16*8xV100-32GB'")
+        self.config = config or SimConfig()
+        self.policy = policy
+        self.workload = workload
+        self.gpus: list[GpuInfo] = list(gpus)
+        self.uuid_index: dict[str, int] = {g.uuid: i for i, g in enumerate(self.gpus)}
+        if len(self.uuid_index) != len(self.gpus):
+            raise ConfigError("cluster", "GPU UUIDs must be unique")
+        n = len(self.gpus)
+        self.mem_total: list[int] = [g.memory_bytes for g in self.gpus]
+        self.node_of: list[str] = [g.node for g in self.gpus]
+        self.healthy: list[bool] = [g.healthy for g in self.gpus]
+        self.alloc_share: list[float] = [0.0] * n
+        self.alloc_mem: list[int] = [0] * n
+        self.on_gpu: list[list[SimJob]] = [[] for _ in range(n)]
+        #: idle healthy GPUs, all and by node (kept up to date for whole-GPU placement).
+        self.idle: set[int] = {g for g in range(n) if self.healthy[g]}
+        self.idle_by_node: dict[str, set[int]] = {}
+        for g in range(n):
+            self.idle_by_node.setdefault(self.node_of[g], set())
+            if self.healthy[g]:
+                self.idle_by_node[self.node_of[g]].add(g)
+        # Cached per-GPU metric contributions and their sums.
+        self._c_alloc = [0.0] * n
+        self._c_used = [0.0] * n
+        self._c_mem = [0.0] * n
+        self._c_gmem = [0.0] * n
+        self._s_alloc = self._s_used = self._s_mem = self._s_gmem = 0.0
+        self.total_memory = sum(self.mem_total)
+        self.max_gpu_memory = max(self.mem_total)
+        self.jobs: list[SimJob] = []
+        for tj in jobs:
+            prof = workload.profile_for(tj)
+            demand = workload.memory_demand(tj, prof)
+            if self.config.clip_memory:
+                demand = min(demand, self.max_gpu_memory)
+            self.jobs.append(SimJob(tj, demand, prof.gpu_util, prof.label))
+        self.by_name: dict[str, SimJob] = {j.name: j for j in self.jobs}
+        self.pending: dict[str, SimJob] = {}
+        self.running: dict[str, SimJob] = {}  # RUNNING and PREEMPTING
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._rng = random.Random(f"failures:{self.config.seed}")
+        self.preemptions = self.failures = self.revokes = self.balloons = self.cycles = 0
+        self.wake_at: float | None = None
+        self.on_change: Callable[[SimJob], None] | None = None
+
+    # ------------------------------------------------------------------ events
+
+    def _push(self, t: float, kind: int, job: int = -1, version: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, job, version))
+
+    # ------------------------------------------------------------------ progress and rates
+
+    def _advance(self, job: SimJob) -> None:
+        dt = self.now - job.last
+        if dt > 0 and job.state == RUNNING:
+            job.remaining -= dt * job.rate
+            job.run_s += dt
+            job.attained_gpu_s += dt * sum(job.shares)
+        job.last = self.now
+
+    def _speed(self, job: SimJob) -> float:
+        if job.state != RUNNING:
+            return 0.0
+        speed = 1.0
+        coloc = self.workload.colocated_speed
+        for g in job.gpus:
+            others = [o.label for o in self.on_gpu[g] if o is not job]
+            if others:
+                s = coloc(job.label, others)
+                if s < speed:
+                    speed = s
+        return speed * job.balloon_factor
+
+    def _refresh(self, gpus: set[int], extra_jobs: Sequence[SimJob] = ()) -> None:
+        """Recompute rates of jobs touching ``gpus`` and metric contributions of the GPUs they touch."""
+        affected: dict[int, SimJob] = {}
+        for g in gpus:
+            for j in self.on_gpu[g]:
+                affected[j.index] = j
+        for j in extra_jobs:
+            affected[j.index] = j
+        touched = set(gpus)
+        for j in affected.values():
+            self._advance(j)
+            new = self._speed(j)
+            if new != j.rate:
+                j.rate = new
+                j.version += 1
+                if j.state == RUNNING and new > 0:
+                    self._push(self.now + max(0.0, j.remaining) / new, _COMPLETE, j.index, j.version)
+            touched.update(j.gpus)
+        for g in touched:
+            self._contrib(g)
+
+    def _contrib(self, g: int) -> None:
+        total = self.mem_total[g]
+        alloc = min(1.0, self.alloc_share[g])
+        used = 0.0
+        mem_used = 0
+        for j in self.on_gpu[g]:
+            k = j.gpus.index(g)
+            used += j.shares[k] * j.util * j.rate
+            mem_used += min(j.demand, j.mems[k])
+        used = min(1.0, used)
+        mem = float(min(total, mem_used))
+        gmem = float(min(total, self.alloc_mem[g]))
+        self._s_alloc += alloc - self._c_alloc[g]
+        self._s_used += used - self._c_used[g]
+        self._s_mem += mem - self._c_mem[g]
+        self._s_gmem += gmem - self._c_gmem[g]
+        self._c_alloc[g], self._c_used[g], self._c_mem[g], self._c_gmem[g] = alloc, used, mem, gmem
+
+    # ------------------------------------------------------------------ state changes
+
+    def _place(self, job: SimJob, gpus: list[int], shares: list[float], mems: list[int]) -> None:
+        job.gpus, job.shares, job.mems = gpus, shares, mems
+        for g, s, m in zip(gpus, shares, mems, strict=True):
+            if not self.on_gpu[g]:
+                self._set_idle(g, False)
+            self.on_gpu[g].append(job)
+            self.alloc_share[g] += s
+            self.alloc_mem[g] += m
+
+    def _set_idle(self, g: int, idle: bool) -> None:
+        if idle:
+            self.idle.add(g)
+            self.idle_by_node[self.node_of[g]].add(g)
+        else:
+            self.idle.discard(g)
+            self.idle_by_node[self.node_of[g]].discard(g)
+
+    def _unplace(self, job: SimJob) -> set[int]:
+        gpus = set(job.gpus)
+        for g, s, m in zip(job.gpus, job.shares, job.mems, strict=True):
+            self.on_gpu[g].remove(job)
+            self.alloc_share[g] -= s
+            self.alloc_mem[g] -= m
+            if not self.on_gpu[g]:
+                self.alloc_share[g] = 0.0
+                self.alloc_mem[g] = 0
+                self._set_idle(g, self.healthy[g])
+        job.gpus, job.shares, job.mems = [], [], []
+        return gpus
+
+    def _enqueue(self, job: SimJob) -> None:
+        job.state = PENDING
+        job.queued_since = self.now
+        job.directive_kind = None
+        job.acked = False
+        job.balloon_factor = 1.0
+        self.pending[job.name] = job
+        self.running.pop(job.name, None)
+        self._changed(job)
+
+    def _changed(self, job: SimJob) -> None:
+        if self.on_change is not None:
+            self.on_change(job)
+
+    def _stop(self, job: SimJob, lost_work: bool) -> None:
+        """Take ``job`` off its GPUs and queue it again."""
+        self._advance(job)
+        if lost_work:
+            since = self.now - job.granted_at
+            lost_wall = since % self.config.checkpoint_interval_s
+            job.remaining += lost_wall * job.rate
+        job.last_run_s = self.now - job.run_start
+        job.restarts += 1
+        job.rate = 0.0
+        job.version += 1
+        freed = self._unplace(job)
+        self._enqueue(job)
+        self._refresh(freed)
+
+    def _finish(self, job: SimJob) -> None:
+        self._advance(job)
+        job.state = DONE
+        job.end = self.now
+        job.last_run_s = self.now - job.run_start
+        job.version += 1
+        self.running.pop(job.name, None)
+        freed = self._unplace(job)
+        self._changed(job)
+        self._refresh(freed)
+
+    def reject(self, job: SimJob, reason: str) -> None:
+        """End a job that can never run (counted in the report, excluded from JCT)."""
+        if job.state == PENDING:
+            self.pending.pop(job.name, None)
+            job.pending_s += self.now - job.queued_since
+        elif job.state in (RUNNING, PREEMPTING):
+            self._advance(job)
+            self.running.pop(job.name, None)
+            self._refresh(self._unplace(job))
+        job.state = REJECTED
+        job.reject_reason = reason
+        job.end = self.now
+        self._changed(job)
+
+    # ------------------------------------------------------------------ decisions
+
+    def apply(self, decisions: Sequence[Decision]) -> None:
+        """Apply a policy's decisions to the model, in order (see the module docstring)."""
+        for d in decisions:
+            if isinstance(d, Grant):
+                self._grant(d)
+            elif isinstance(d, Preempt):
+                self._preempt(d.job, d.deadline, d.for_job)
+            elif isinstance(d, Release):
+                job = self._job(d.job, d)
+                if job.state in (RUNNING, PREEMPTING):
+                    if d.state in (JobState.DONE, JobState.FAILED):
+                        self._finish(job)
+                    else:
+                        self._stop(job, lost_work=False)
+            elif isinstance(d, Revoke):
+                job = self._job(d.job, d)
+                if job.state in (RUNNING, PREEMPTING):
+                    self.revokes += 1
+                    self._stop(job, lost_work=True)
+            elif isinstance(d, Balloon):
+                self._balloon(d)
+            elif Shrink is not None and isinstance(d, Shrink):
+                self._shrink(d.job, d.memory_bytes)
+            elif isinstance(d, Deflate):
+                self._deflate(d.job)
+            elif isinstance(d, Reject):
+                job = self._job(d.job, d)
+                if job.state != REJECTED:
+                    self.reject(job, d.reason)
+            elif isinstance(d, (Queue, Resize)):
+                continue
+            else:  # pragma: no cover - a new decision type
+                raise SimulationError(f"unknown decision {d!r}; teach gpupool_sdk.sim.engine to apply it")
+
+    def _job(self, name: str, d: object) -> SimJob:
+        job = self.by_name.get(name)
+        if job is None:
+            raise SimulationError(f"decision {d!r} names unknown job {name!r}")
+        return job
+
+    def _grant(self, d: Grant) -> None:
+        job = self._job(d.job, d)
+        if job.state != PENDING:
+            raise SimulationError(f"Grant for {d.job} in state {job.state}; only pending jobs can be granted")
+        if len(d.slices) != job.num_gpu:
+            raise SimulationError(f"Grant for {d.job} has {len(d.slices)} slices; the job asks {job.num_gpu}")
+        gpus: list[int] = []
+        shares: list[float] = []
+        mems: list[int] = []
+        for s in d.slices:
+            g = self.uuid_index.get(s.gpu_uuid)
+            if g is None:
+                raise SimulationError(f"Grant for {d.job} names unknown GPU {s.gpu_uuid!r}")
+            if g in gpus:
+                raise SimulationError(f"Grant for {d.job} puts two slices on GPU {s.gpu_uuid}")
+            if not self.healthy[g]:
+                raise SimulationError(f"Grant for {d.job} uses failed GPU {s.gpu_uuid}")
+            gpus.append(g)
+            shares.append(float(s.compute_share))
+            mems.append(int(s.memory_bytes))
+        self._check_capacity(d.job, gpus, mems)
+        self.pending.pop(job.name, None)
+        job.pending_s += self.now - job.queued_since
+        job.state = RUNNING
+        job.last = self.now
+        job.run_start = self.now
+        job.granted_at = self.now
+        if job.first_start is None:
+            job.first_start = self.now
+        if job.restarts > 0:
+            job.remaining += self.config.restart_s
+        job.peak_known = True
+        self.running[job.name] = job
+        self._place(job, gpus, shares, mems)
+        self._changed(job)
+        self._refresh(set(gpus), (job,))
+
+    def _check_capacity(self, name: str, gpus: list[int], mems: list[int]) -> None:
+        ratio = getattr(self.policy, "overcommit_ratio", 1.0)
+        for g, m in zip(gpus, mems, strict=True):
+            if self.alloc_mem[g] + m > ratio * self.mem_total[g] + 1:
+                raise SimulationError(
+                    f"Grant for {name} over-commits GPU {self.gpus[g].uuid}: "
+                    f"{self.alloc_mem[g] + m} bytes granted > {ratio:g} x {self.mem_total[g]}"
+                )
+
+    def _preempt(self, name: str, deadline: float, for_job: str | None) -> None:
+        job = self._job(name, name)
+        if job.state != RUNNING:
+            return
+        self._advance(job)
+        self.preemptions += 1
+        job.preemptions += 1
+        job.state = PREEMPTING
+        job.directive_seq += 1
+        job.directive_kind = "preempt"
+        job.directive_deadline = deadline
+        job.directive_for = for_job
+        job.acked = False
+        job.version += 1
+        self._changed(job)
+        self._refresh(set(job.gpus), (job,))
+        self._push(self.now + self.config.checkpoint_s, _ACK, job.index, job.directive_seq)
+
+    def _balloon(self, d: Balloon) -> None:
+        job = self._job(d.job, d)
+        if job.state != RUNNING:
+            return
+        self.balloons += 1
+        job.directive_seq += 1
+        job.directive_kind = "balloon"
+        job.directive_deadline = d.deadline
+        job.directive_target = d.target_bytes
+        job.directive_for = d.for_job
+        job.acked = False
+        self._changed(job)
+        self._push(self.now + self.config.balloon_s, _BALLOON_ACK, job.index, job.directive_seq)
+
+    def _shrink(self, name: str, memory: int) -> None:
+        job = self._job(name, name)
+        job.directive_kind = None
+        job.acked = False
+        if job.state not in (RUNNING, PREEMPTING):
+            return
+        for k, g in enumerate(job.gpus):
+            delta = min(memory, job.mems[k]) - job.mems[k]
+            job.mems[k] += delta
+            self.alloc_mem[g] += delta
+        if memory < job.demand:
+            job.balloon_factor = self.config.balloon_speed
+        self._changed(job)
+        self._refresh(set(job.gpus), (job,))
+
+    def _deflate(self, name: str) -> None:
+        job = self._job(name, name)
+        if job.state not in (RUNNING, PREEMPTING):
+            return
+        spec_mem = self.policy.slice_demand(job)[1]
+        for k, g in enumerate(job.gpus):
+            delta = spec_mem - job.mems[k]
+            if delta > 0:
+                job.mems[k] += delta
+                self.alloc_mem[g] += delta
+        job.balloon_factor = 1.0
+        self._changed(job)
+        self._refresh(set(job.gpus), (job,))
+
+    # ------------------------------------------------------------------ failures
+
+    def _next_failure(self) -> None:
+        if self.config.failure_mtbf_h is None:
+            return
+        rate = len(self.gpus) / (self.config.failure_mtbf_h * 3600.0)
+        self._push(self.now + self._rng.expovariate(rate), _FAIL)
+
+    def _fail_gpu(self) -> None:
+        up = [g for g in range(len(self.gpus)) if self.healthy[g]]
+        self._next_failure()
+        if not up:
+            return
+        g = self._rng.choice(up)
+        self.healthy[g] = False
+        self._set_idle(g, False)
+        self.failures += 1
+        for job in list(self.on_gpu[g]):
+            job.failures += 1
+            self._stop(job, lost_work=True)
+        self._push(self.now + self.config.repair_s, _REPAIR, g)
+        self._health_changed(g)
+
+    def _health_changed(self, g: int) -> None:
+        hook = getattr(self.policy, "on_health_change", None)
+        if hook is not None:
+            hook(self, g)
+
+    # ------------------------------------------------------------------ stranding
+
+    def _stranded(self) -> tuple[float, float]:
+        """(stranded, free) GPU capacity now, in GPUs, with respect to the next pending job."""
+        if not self.pending:
+            return 0.0, 0.0
+        head = min(self.pending.values(), key=lambda j: (j.queued_since, j.index))
+        share, mem = self.policy.slice_demand(head)
+        stranded = free = 0.0
+        for g in range(len(self.gpus)):
+            if not self.healthy[g]:
+                continue
+            f = 1.0 - self.alloc_share[g] if self.on_gpu[g] else 1.0
+            if f <= EPS:
+                continue
+            free += f
+            if f + EPS < share or self.mem_total[g] - self.alloc_mem[g] < mem:
+                stranded += f
+        return stranded, free
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> SimResult:
+        """Simulate until every job finished or nothing can happen any more."""
+        cfg = self.config
+        for job in self.jobs:
+            self._push(job.submit, _ARRIVAL, job.index)
+        self._next_failure()
+        self.policy.bind(self)
+        last_arrival = self.jobs[-1].submit if self.jobs else 0.0
+        work = sum(j.remaining * j.num_gpu * j.fraction for j in self.jobs)
+        horizon = max(last_arrival, work / max(1, len(self.gpus))) * 1.5 + 1.0
+        sample_every = horizon / cfg.stranded_samples
+        next_sample = 0.0
+        stranded_gpu_s = free_pending_gpu_s = 0.0
+        cur_stranded = cur_free = 0.0
+        area_alloc = area_used = area_mem = area_gmem = 0.0
+        tl = Timeline()
+        last_t = 0.0
+        active = 0
+        heap = self._heap
+        while heap:
+            t = heap[0][0]
+            dt = t - last_t
+            if dt > 0:
+                area_alloc += self._s_alloc * dt
+                area_used += self._s_used * dt
+                area_mem += self._s_mem * dt
+                area_gmem += self._s_gmem * dt
+                stranded_gpu_s += cur_stranded * dt
+                free_pending_gpu_s += cur_free * dt
+            self.now = last_t = t
+            acted = False
+            while heap and heap[0][0] <= t:
+                _, kind, _, idx, version = heapq.heappop(heap)
+                if kind == _ARRIVAL:
+                    job = self.jobs[idx]
+                    active += 1
+                    job.last = t
+                    if job.num_gpu > len(self.gpus):
+                        self._enqueue(job)
+                        self.reject(job, f"asks {job.num_gpu} GPUs; the cluster has {len(self.gpus)}")
+                        active -= 1
+                        continue
+                    if job.demand > self.max_gpu_memory:
+                        self._enqueue(job)
+                        self.reject(job, "memory demand exceeds every GPU")
+                        active -= 1
+                        continue
+                    self._enqueue(job)
+                    acted = True
+                elif kind == _COMPLETE:
+                    job = self.jobs[idx]
+                    if job.version == version and job.state == RUNNING:
+                        self._finish(job)
+                        active -= 1
+                        acted = True
+                elif kind == _ACK:
+                    job = self.jobs[idx]
+                    if job.state == PREEMPTING and job.directive_seq == version:
+                        acted = True
+                        if self.policy.uses_protocol:
+                            job.acked = True
+                            self._changed(job)
+                        else:
+                            self._stop(job, lost_work=False)
+                elif kind == _BALLOON_ACK:
+                    job = self.jobs[idx]
+                    if job.state == RUNNING and job.directive_seq == version and job.directive_kind == "balloon":
+                        acted = True
+                        job.acked = True
+                        job.ack_reached = job.directive_target
+                        self._changed(job)
+                elif kind == _FAIL:
+                    self._fail_gpu()
+                    acted = True
+                elif kind == _REPAIR:
+                    self.healthy[idx] = True
+                    if not self.on_gpu[idx]:
+                        self._set_idle(idx, True)
+                    self._health_changed(idx)
+                    acted = True
+                elif kind == _WAKE:
+                    if self.wake_at is not None and self.wake_at <= t:
+                        self.wake_at = None
+                    acted = True
+            if active <= 0 and not self.pending and not self.running:
+                tl.t.append(t)
+                tl.alloc.append(self._s_alloc)
+                tl.used.append(self._s_used)
+                tl.mem.append(self._s_mem)
+                tl.pending.append(0)
+                break
+            if acted:
+                self.cycles += 1
+                self.apply(self.policy.schedule(self))
+            if t >= next_sample:
+                cur_stranded, cur_free = self._stranded()
+                next_sample = t + sample_every
+            tl.t.append(t)
+            tl.alloc.append(self._s_alloc)
+            tl.used.append(self._s_used)
+            tl.mem.append(self._s_mem)
+            tl.pending.append(len(self.pending))
+            wake = self.policy.next_wakeup(self)
+            if self.pending and cfg.tick_s > 0:
+                tick = t + cfg.tick_s
+                wake = tick if wake is None else min(wake, tick)
+            if wake is not None and wake > t and (self.wake_at is None or wake < self.wake_at or self.wake_at <= t):
+                self.wake_at = wake
+                self._push(wake, _WAKE)
+            if not heap and (self.pending or self.running):
+                # Nothing left that could change the state: the rest can never run.
+                break
+        makespan = max((j.end for j in self.jobs if j.end is not None and j.state == DONE), default=self.now)
+        makespan = max(makespan, EPS)
+        return SimResult(
+            policy=self.policy.name,
+            jobs=self.jobs,
+            num_gpus=len(self.gpus),
+            total_memory=self.total_memory,
+            makespan_s=makespan,
+            alloc_gpu_s=area_alloc,
+            used_gpu_s=area_used,
+            used_mem_byte_s=area_mem,
+            granted_mem_byte_s=area_gmem,
+            stranded_gpu_s=stranded_gpu_s,
+            free_while_pending_gpu_s=free_pending_gpu_s,
+            preemptions=self.preemptions,
+            failures=self.failures,
+            revokes=self.revokes,
+            balloons=self.balloons,
+            cycles=self.cycles,
+            timeline=tl,
+        )

@@ -1,0 +1,241 @@
+"""The ``gpupool`` policy in the simulator: the coordinator's pure :class:`Scheduler`, unchanged.
+
+The adapter keeps a :class:`JobView` per live job, rebuilt only when the engine reports a change
+(grant, preempt, ack, balloon, release), builds a :class:`ClusterSnapshot` from those views at
+each event, runs ``Scheduler.schedule`` and hands the decisions back to the engine, which applies
+them like the coordinator would (see :mod:`gpupool_sdk.sim.engine`).
+
+Trace rows become :class:`JobSpec` as follows (documented in ``docs/simulation.md``):
+
+========================  ============  ========  ==========================================
+trace ``priority``        QoS           priority  notes
+========================  ============  ========  ==========================================
+``Guaranteed``            guaranteed    20        Alibaba's reserved class
+``LS`` (latency-sens.)    guaranteed    10
+``Burstable``             shared        5         may be overcommitted and ballooned
+``BE`` (best effort)      shared        0         preempted first
+an integer ``n``          guaranteed    n
+empty / other             ``untagged_qos`` 0      Pollux/Sia/Tiresias traces have no classes
+========================  ============  ========  ==========================================
+
+``compute_share`` = the trace's ``gpu_fraction``; ``memory`` = the job's memory demand times
+``memory_request_factor`` (users ask more than they use), capped at the largest GPU; the
+telemetry peak the scheduler sees (``memory_peak_bytes``) is the demand itself, known once the
+job has run (a job never granted reports no peak).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.resources import (
+    Ack,
+    Allocation,
+    Directive,
+    DirectiveKind,
+    GpuHealth,
+    GpuInfo,
+    JobSpec,
+    JobState,
+    QoS,
+)
+from gpupool_sdk.scheduler.policy import Scheduler
+from gpupool_sdk.scheduler.types import ClusterSnapshot, Decision, JobView, SchedulerConfig
+from gpupool_sdk.sim.engine import DONE, PENDING, PREEMPTING, REJECTED, RUNNING, SimJob, Simulator
+
+#: trace priority class (lower-cased) -> (QoS, priority).
+QOS_MAP: Mapping[str, tuple[QoS, int]] = {
+    "guaranteed": (QoS.GUARANTEED, 20),
+    "ls": (QoS.GUARANTEED, 10),
+    "burstable": (QoS.SHARED, 5),
+    "be": (QoS.SHARED, 0),
+}
+
+
+@dataclass(frozen=True)
+class PoolMapping:
+    """How trace rows become job specs for the ``gpupool`` policy.
+
+    Attributes:
+        untagged_qos: QoS of rows without a known priority class (``guaranteed`` or ``shared``).
+        memory_request_factor: memory asked = demand x this (>= 1).
+        min_runtime_s: the spec's minimum run time before it may be preempted.
+        preempt_grace_s: the spec's time to checkpoint and ack.
+    """
+
+    untagged_qos: str = "guaranteed"
+    memory_request_factor: float = 1.25
+    min_runtime_s: float = 0.0
+    preempt_grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.untagged_qos not in ("guaranteed", "shared", "exclusive"):
+            raise ConfigError("untagged_qos", f"use guaranteed, shared or exclusive, got {self.untagged_qos!r}")
+        if not self.memory_request_factor >= 1.0:
+            raise ConfigError("memory_request_factor", f"must be >= 1, got {self.memory_request_factor}")
+
+    def qos_priority(self, priority: str) -> tuple[QoS, int]:
+        """The (QoS, priority) of a trace priority class."""
+        key = priority.strip().lower()
+        if key in QOS_MAP:
+            return QOS_MAP[key]
+        try:
+            return QoS.GUARANTEED, int(key)
+        except ValueError:
+            return QoS(self.untagged_qos), 0
+
+
+class PoolPolicy:
+    """Runs :class:`gpupool_sdk.scheduler.policy.Scheduler` inside the simulator.
+
+    Args:
+        config: the scheduler's knobs (the same object the coordinator takes).
+        mapping: trace-to-spec mapping.
+
+    Example:
+        >>> PoolPolicy(SchedulerConfig(overcommit_ratio=1.5)).name
+        'gpupool'
+    """
+
+    name = "gpupool"
+    uses_protocol = True
+
+    def __init__(self, config: SchedulerConfig | None = None, mapping: PoolMapping | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.mapping = mapping or PoolMapping()
+        self.scheduler = Scheduler(self.config)
+        self.overcommit_ratio = self.config.overcommit_ratio
+        self._views: dict[str, JobView] = {}
+        self._built_at: dict[str, float] = {}
+        self._specs: dict[int, JobSpec] = {}
+        self._inflight: set[str] = set()
+        self._gpus: dict[str, GpuInfo] = {}
+        self.cycles = 0
+
+    # ------------------------------------------------------------------ specs
+
+    def spec_for(self, job: SimJob) -> JobSpec:
+        """The :class:`JobSpec` of a simulated job (see the module docstring for the mapping)."""
+        spec = self._specs.get(job.index)
+        if spec is None:
+            qos, prio = self.mapping.qos_priority(job.tj.priority)
+            cap = self.sim.max_gpu_memory
+            memory = min(cap, int(math.ceil(job.demand * self.mapping.memory_request_factor)))
+            memory = max(memory, job.demand, 1)
+            if qos is QoS.EXCLUSIVE:
+                spec = JobSpec(name=job.name, gpus=job.num_gpu, qos=qos, priority=prio, memory=0,
+                               min_runtime_s=self.mapping.min_runtime_s, preempt_grace_s=self.mapping.preempt_grace_s)
+            else:
+                spec = JobSpec(
+                    name=job.name, gpus=job.num_gpu, memory=memory, compute_share=float(job.fraction), qos=qos,
+                    priority=prio, min_runtime_s=self.mapping.min_runtime_s,
+                    preempt_grace_s=self.mapping.preempt_grace_s,
+                )
+            self._specs[job.index] = spec
+        return spec
+
+    def slice_demand(self, job: SimJob) -> tuple[float, int]:
+        spec = self.spec_for(job)
+        if spec.qos_class is QoS.EXCLUSIVE:
+            return 1.0, 0
+        return spec.compute_share, spec.memory_bytes
+
+    # ------------------------------------------------------------------ views
+
+    def bind(self, sim: Simulator) -> None:
+        self.sim = sim
+        self._gpus = {g.uuid: g for g in sim.gpus}
+        sim.on_change = self._on_change
+
+    def on_health_change(self, sim: Simulator, g: int) -> None:
+        """Publish a failed or repaired GPU to the snapshot (an agent would)."""
+        info = sim.gpus[g]
+        health = GpuHealth() if sim.healthy[g] else GpuHealth(healthy=False, reasons=("simulated failure",))
+        self._gpus[info.uuid] = replace(info, health=health)
+
+    def _on_change(self, job: SimJob) -> None:
+        if job.state in (DONE, REJECTED):
+            self._views.pop(job.name, None)
+            self._built_at.pop(job.name, None)
+            self._inflight.discard(job.name)
+            return
+        self._views[job.name] = self._view(job)
+        self._built_at[job.name] = self.sim.now
+        if job.directive_kind is not None or job.balloon_factor < 1.0 or any(
+            m < self.slice_demand(job)[1] for m in job.mems
+        ):
+            self._inflight.add(job.name)
+        else:
+            self._inflight.discard(job.name)
+
+    def _view(self, job: SimJob) -> JobView:
+        sim = self.sim
+        spec = self.spec_for(job)
+        now = sim.now
+        if job.state == PENDING:
+            return JobView(
+                spec=spec, state=JobState.PENDING, queued_at=job.submit, attained_gpu_s=job.attained_gpu_s,
+                memory_peak_bytes=job.demand if job.peak_known else None, order=job.index,
+            )
+        attained = job.attained_gpu_s + (now - job.last) * sum(job.shares) if job.state == RUNNING else job.attained_gpu_s
+        allocs = tuple(
+            Allocation(
+                job=job.name, node=sim.node_of[g], gpu_uuid=sim.gpus[g].uuid, gpu_index=sim.gpus[g].index,
+                memory_bytes=job.mems[k], compute_share=job.shares[k], mode=spec.qos_class, granted_at=job.granted_at,
+            )
+            for k, g in enumerate(job.gpus)
+        )
+        directive = ack = None
+        if job.directive_kind is not None:
+            kind = DirectiveKind.PREEMPT if job.directive_kind == "preempt" else DirectiveKind.BALLOON
+            target: dict[str, object] = {}
+            if job.directive_for:
+                target["for_job"] = job.directive_for
+            if kind is DirectiveKind.BALLOON:
+                target["memory_bytes"] = job.directive_target
+            directive = Directive(kind=kind, seq=job.directive_seq, deadline=job.directive_deadline, target=target)
+            if job.acked:
+                ack = Ack(seq=job.directive_seq, reached_bytes=job.ack_reached if kind is DirectiveKind.BALLOON else None)
+        return JobView(
+            spec=spec,
+            state=JobState.PREEMPTING if job.state == PREEMPTING else JobState.GRANTED,
+            allocations=allocs,
+            queued_at=job.submit,
+            granted_at=job.granted_at,
+            attained_gpu_s=attained,
+            directive=directive,
+            ack=ack,
+            memory_peak_bytes=job.demand,
+            order=job.index,
+        )
+
+    # ------------------------------------------------------------------ the cycle
+
+    def schedule(self, sim: Simulator) -> list[Decision]:
+        if not sim.pending and not self._inflight:
+            return []  # nothing waits and no directive is in flight: a cycle would decide nothing
+        now = sim.now
+        if self.config.las_threshold_gpu_s:
+            stale = now - self.sim.config.view_refresh_s
+            for name, job in sim.running.items():
+                if self._built_at.get(name, now) < stale:
+                    self._views[name] = self._view(job)
+                    self._built_at[name] = now
+        self.cycles += 1
+        snapshot = ClusterSnapshot(now=now, gpus=self._gpus, jobs=self._views)
+        return self.scheduler.schedule(snapshot)
+
+    def next_wakeup(self, sim: Simulator) -> float | None:
+        if not self._inflight:
+            return None
+        # Directive deadlines: a missed one must be noticed (Revoke, or Preempt after a balloon).
+        best: float | None = None
+        for name in self._inflight:
+            job = sim.by_name[name]
+            if job.directive_kind is not None and job.directive_deadline > sim.now:
+                t = job.directive_deadline + 1e-6
+                best = t if best is None else min(best, t)
+        return best
