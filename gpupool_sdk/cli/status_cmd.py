@@ -94,7 +94,7 @@ def status_dict(state: PoolState) -> dict[str, Any]:
                 "draining": n in snap.draining,
             }
         )
-    jobs = []
+    jobs: list[dict[str, Any]] = []
     for name in sorted(snap.jobs):
         v = snap.jobs[name]
         meta = state.jobs[name]

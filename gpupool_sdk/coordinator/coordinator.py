@@ -12,7 +12,9 @@ minimum run times pass without any key changing. Each wake-up:
    :class:`~gpupool_sdk.coordinator.apply.Applier`, fenced on the leader key.
 3. **Usage.** Accrue GPU-seconds and cost of every held slice into the
    :class:`~gpupool_sdk.telemetry.usage.UsageLedger`; flush changed ``usage/{job}`` records
-   (fenced) every ``usage_flush_s`` and whenever a job gives its slices back.
+   (fenced) every ``usage_flush_s`` and whenever a job gives its slices back. Accrual runs after
+   the cycle's writes and at most once a second, so it never delays a grant; the slices seen are
+   charged for the whole interval (an error of at most a second per grant or release).
 
 SIGTERM (through :meth:`Coordinator.stop`) ends the loop and resigns at once: the leader key is
 deleted under the fence and the lease revoked, so a standby takes over without waiting a TTL.
@@ -31,7 +33,7 @@ from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator.apply import Applier, ApplyReport
 from gpupool_sdk.coordinator.election import Election, ElectionTiming
 from gpupool_sdk.coordinator.fencing import FencedWriter, PutOp
-from gpupool_sdk.coordinator.snapshot import PoolState, build_state
+from gpupool_sdk.coordinator.snapshot import DecodeCache, PoolState, build_state
 from gpupool_sdk.errors import GpupoolError, NotLeaderError, SpecError, StoreError
 from gpupool_sdk.resources import Allocation
 from gpupool_sdk.scheduler import types as st
@@ -45,8 +47,11 @@ log = logging.getLogger(__name__)
 
 # Usage records of a job are written at most this often while it runs (and at release).
 DEFAULT_USAGE_FLUSH_S = 15.0
-# A burst of watch events (a gang grant, a client writing spec then telemetry) is taken in one cycle.
-_DEBOUNCE_S = 0.002
+# Usage is accrued at most this often (seconds).
+USAGE_ACCRUE_S = 1.0
+# Keys only the leader puts: their put events need no new cycle (deletes still do: a lease
+# expiring frees slices).
+_LEADER_WRITTEN = frozenset({"jobs.status", "allocations", "directives", "checkpoints", "usage", "term"})
 
 
 @dataclass
@@ -146,6 +151,7 @@ class Coordinator:
         self._last_flush = 0.0
         self._last_state: PoolState | None = None
         self._cycle_lock = threading.Lock()
+        self._cache = DecodeCache()
 
     # ------------------------------------------------------------------ state
 
@@ -174,11 +180,19 @@ class Coordinator:
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         leader_key = self.keys.leader()
+        wake = False
         for e in events:
             if e.kv.key == leader_key:
                 self._leader_event.set()
-                break
-        self._wake.set()
+                wake = True
+                continue
+            if e.type == "put":
+                parsed = self.keys.parse(e.kv.key)
+                if parsed is not None and parsed.kind in _LEADER_WRITTEN:
+                    continue  # our own writes (or a deposed leader's, which a new term re-reads anyway)
+            wake = True
+        if wake:
+            self._wake.set()
 
     def _on_resync(self) -> int | None:
         self._wake.set()
@@ -225,8 +239,8 @@ class Coordinator:
                 if self._stop.is_set():
                     break
                 if self.election.term:
-                    if self._wake.wait(timeout):
-                        time.sleep(_DEBOUNCE_S)
+                    # Events that land while a cycle runs are seen by the next one's fresh read.
+                    self._wake.wait(timeout)
                 else:
                     self._leader_event.wait(timeout)  # standby: only the leader key's changes matter
         finally:
@@ -261,7 +275,7 @@ class Coordinator:
     def read_state(self, term: int = 0) -> PoolState:
         """Read the whole pool prefix at one revision and parse it."""
         kvs, revision = self.store.get_prefix(self.keys.root())
-        return build_state(kvs, self.keys, time.time(), revision, term)
+        return build_state(kvs, self.keys, time.time(), revision, term, cache=self._cache)
 
     def run_cycle(self) -> CycleReport | None:
         """One scheduling cycle if this replica leads; None otherwise."""
@@ -273,9 +287,12 @@ class Coordinator:
             state = self.read_state(fence.term)
             result = self.scheduler.schedule(state.snapshot)
             decisions: Sequence[st.Decision] = getattr(result, "decisions", result)
-            self._accrue(state)
             report: ApplyReport = self.applier.apply(decisions, state)
             self._last_state = state
+            # After the writes, so accounting never delays a grant; at most once a second (the
+            # snapshot's slices are charged for the whole interval: error <= 1 s per change).
+            if self._ledger is None or time.monotonic() - (self._last_accrual or 0.0) >= USAGE_ACCRUE_S:
+                self._accrue(state)
             for kind, n in report.applied.items():
                 self.stats.applied[kind] = self.stats.applied.get(kind, 0) + n
             if any(k in report.applied for k in ("Release", "Revoke")) or time.monotonic() - self._last_flush >= self.usage_flush_s:

@@ -10,7 +10,7 @@ naming the key and skipped: one hand-edited key never stops the pool.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,12 +111,50 @@ def _peak_from_telemetry(body: Mapping[str, Any] | None) -> int | None:
     return None
 
 
+class DecodeCache:
+    """Parsed values by key, reused while the key's mod revision is unchanged.
+
+    Records are frozen, so a value parsed in one cycle is safe to hand to the next; only keys
+    written since are decoded again. Keys that vanished are dropped on each :meth:`prune`.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[int, Any]] = {}
+        self.reported: dict[str, str] = {}  # key -> problem already logged (log once, not every cycle)
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, kv: KeyValue, parse: Callable[[], Any]) -> Any:
+        """The parsed value of ``kv`` (``parse()`` on a miss); a :class:`SchemaError` is cached and re-raised."""
+        hit = self._entries.get(kv.key)
+        if hit is not None and hit[0] == kv.mod_revision and kv.mod_revision:
+            self.hits += 1
+            value = hit[1]
+        else:
+            self.misses += 1
+            try:
+                value = parse()
+            except SchemaError as exc:
+                value = exc
+            self._entries[kv.key] = (kv.mod_revision, value)
+        if isinstance(value, SchemaError):
+            raise value
+        return value
+
+    def prune(self, live: set[str]) -> None:
+        for k in [k for k in self._entries if k not in live]:
+            del self._entries[k]
+        for k in [k for k in self.reported if k not in live]:
+            del self.reported[k]
+
+
 def build_state(
     items: Iterable[KeyValue],
     keyspace: Keyspace,
     now: float,
     revision: int = 0,
     term: int = 0,
+    cache: DecodeCache | None = None,
 ) -> PoolState:
     """Parse every key of the pool into a :class:`PoolState` (pure: no I/O, no clock).
 
@@ -126,6 +164,7 @@ def build_state(
         now: wall-clock time of the snapshot (seconds since the epoch).
         revision: the etcd revision of the read.
         term: the leader term decisions will be written under.
+        cache: reuse values parsed in earlier calls while their mod revision is unchanged.
 
     Returns:
         The parsed state; malformed values are in ``problems`` (also logged with the key) and skipped.
@@ -133,7 +172,10 @@ def build_state(
     problems: list[Problem] = []
 
     def bad(key: str, message: str) -> None:
-        log.warning("skipping %s: %s", key, message)
+        if cache is None or cache.reported.get(key) != message:
+            log.warning("skipping %s: %s", key, message)
+            if cache is not None:
+                cache.reported[key] = message
         problems.append(Problem(key, message))
 
     gpus: dict[str, GpuInfo] = {}
@@ -151,50 +193,65 @@ def build_state(
     leader: LeaderRecord | None = None
     leader_rev = 0
 
+    seen: set[str] = set()
+
+    def parse(kv: KeyValue, cls: type[Any]) -> Any:
+        if cache is None:
+            return decode(kv.key, kv.value, cls)
+        return cache.get(kv, lambda: decode(kv.key, kv.value, cls))
+
+    def parse_dict(kv: KeyValue) -> dict[str, Any]:
+        if cache is None:
+            return decode_dict(kv.key, kv.value)
+        return cache.get(kv, lambda: decode_dict(kv.key, kv.value))  # type: ignore[no-any-return]
+
     for kv in items:
+        seen.add(kv.key)
         parsed = keyspace.parse(kv.key)
         if parsed is None:
             continue  # keys of other shapes (future kinds, the term counter) are not ours to judge
         kind, parts = parsed.kind, parsed.parts
         try:
             if kind == "gpus":
-                g = decode(kv.key, kv.value, GpuInfo)
+                g = parse(kv, GpuInfo)
                 if g.uuid != parts[1] or g.node != parts[0]:
                     raise SchemaError(kv.key, f"names GPU {g.node}/{g.uuid}, not the one in its key")
                 gpus[g.uuid] = g
             elif kind == "nodes":
-                nodes[parts[0]] = decode(kv.key, kv.value, NodeInfo)
+                nodes[parts[0]] = parse(kv, NodeInfo)
             elif kind == "cordons":
                 cordoned.add(parts[0])  # the key's presence is the intent; its value is informative only
             elif kind == "drains":
                 draining.add(parts[0])
             elif kind == "jobs.spec":
-                spec = decode(kv.key, kv.value, JobSpec)
+                spec = parse(kv, JobSpec)
                 if spec.name != parts[0]:
                     raise SchemaError(kv.key, f"spec names job {spec.name!r}, not {parts[0]!r}")
                 specs[spec.name] = (spec, kv)
             elif kind == "jobs.status":
-                statuses[parts[0]] = (decode(kv.key, kv.value, JobStatus), kv.mod_revision)
+                statuses[parts[0]] = (parse(kv, JobStatus), kv.mod_revision)
             elif kind == "allocations":
-                a = decode(kv.key, kv.value, Allocation)
+                a = parse(kv, Allocation)
                 if (a.node, a.gpu_uuid, a.job) != parts:
                     raise SchemaError(kv.key, "allocation fields do not match its key")
                 allocations.append(a)
             elif kind == "directives":
-                directives[parts[0]] = decode(kv.key, kv.value, Directive)
+                directives[parts[0]] = parse(kv, Directive)
             elif kind == "acks":
-                acks[parts[0]] = decode(kv.key, kv.value, Ack)
+                acks[parts[0]] = parse(kv, Ack)
             elif kind == "telemetry":
-                telemetry[parts[0]] = decode_dict(kv.key, kv.value)
+                telemetry[parts[0]] = parse_dict(kv)
             elif kind == "checkpoints":
-                resumes[parts[0]] = decode(kv.key, kv.value, ResumeRecord)
+                resumes[parts[0]] = parse(kv, ResumeRecord)
             elif kind == "usage":
-                usage[parts[0]] = decode_dict(kv.key, kv.value)
+                usage[parts[0]] = parse_dict(kv)
             elif kind == "leader":
-                leader = decode(kv.key, kv.value, LeaderRecord)
+                leader = parse(kv, LeaderRecord)
                 leader_rev = kv.create_revision
         except SchemaError as exc:
             bad(kv.key, str(exc).removeprefix(kv.key + ": "))
+    if cache is not None:
+        cache.prune(seen)
 
     allocs_by_job: dict[str, list[Allocation]] = {}
     for a in allocations:
