@@ -54,7 +54,9 @@ def test_round_size(request_bytes: int, block: int) -> None:
         (11 * MiB + 3, "large", 12 * MiB),
     ],
 )
-def test_small_and_large_pools(alloc: CachingAllocator, request_bytes: int, pool: str, segment_size: int) -> None:
+def test_small_and_large_pools(
+    alloc: CachingAllocator, request_bytes: int, pool: str, segment_size: int
+) -> None:
     p = alloc.malloc(request_bytes)
     (blocks,) = segments(alloc).values()
     assert blocks[0].ptr == p and blocks[0].pool == pool and blocks[0].segment_size == segment_size
@@ -82,16 +84,33 @@ def test_split_then_coalesce(alloc: CachingAllocator) -> None:
     assert alloc.stats()["inactive_split.all.current"] == 0
 
 
-def test_cached_block_is_reused_best_fit(alloc: CachingAllocator) -> None:
+def test_small_blocks_are_reused_exact_size_lifo(alloc: CachingAllocator) -> None:
     small = alloc.malloc(4 * KiB)
     big = alloc.malloc(64 * KiB)
-    keep = alloc.malloc(4 * KiB)  # pins the neighbours apart
+    keep = alloc.malloc(4 * KiB)
     alloc.free(small)
     alloc.free(big)
-    assert alloc.malloc(4 * KiB) == small  # the smallest block that fits, not the big one
-    assert alloc.malloc(60 * KiB) == big
+    assert alloc.malloc(64 * KiB) == big  # the quick list of its exact size, no split
+    assert alloc.malloc(4 * KiB) == small
     assert alloc.stats()["segment.all.current"] == 1
-    alloc.free(keep)
+    for p in (small, big, keep):
+        alloc.free(p)
+    (blocks,) = segments(alloc).values()  # observed state is always coalesced
+    assert [(b.state, b.size) for b in blocks] == [("free", 2 * MiB)]
+
+
+def test_large_blocks_are_reused_best_fit(alloc: CachingAllocator) -> None:
+    a = alloc.malloc(3 * MiB)
+    k1 = alloc.malloc(2 * MiB)
+    b = alloc.malloc(8 * MiB)
+    k2 = alloc.malloc(2 * MiB)  # leaves a 5 MiB tail in the 20 MiB segment
+    alloc.free(a)
+    alloc.free(b)
+    assert alloc.malloc(5 * MiB // 2) == a  # 3 MiB hole beats the 5 MiB tail and the 8 MiB hole
+    assert alloc.malloc(7 * MiB) == b  # the tail is too small now
+    assert alloc.stats()["segment.all.current"] == 1
+    for p in (a, b, k1, k2):
+        alloc.free(p)
 
 
 def test_large_pool_does_not_split_tails_of_one_mib_or_less(alloc: CachingAllocator) -> None:

@@ -144,7 +144,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         self.begin()
-        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        ptr = data.draw(
+            st.sampled_from(list(self.live))
+        )  # insertion order: replays do not depend on addresses
         _, stream = self.live.pop(ptr)
         size = self.a.block_size(ptr)
         others = self.uses.pop(ptr) - {stream}
@@ -156,7 +158,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data(), stream=STREAMS)
     def record_stream(self, data: st.DataObject, stream: int) -> None:
         self.begin()
-        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        ptr = data.draw(
+            st.sampled_from(list(self.live))
+        )  # insertion order: replays do not depend on addresses
         self.a.record_stream(ptr, stream)
         self.uses[ptr].add(stream)
 
@@ -208,7 +212,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for b in blocks:
             by_segment[b.segment].append(b)
         segments = sorted((s, bl[0].segment_size) for s, bl in by_segment.items())
-        for (s0, n0), (s1, _) in zip(segments, segments[1:]):
+        for (s0, n0), (s1, _) in zip(segments, segments[1:], strict=False):
             assert s0 + n0 <= s1, "segments overlap"
         for seg, seg_blocks in by_segment.items():
             # Blocks tile the segment exactly, in address order, 512-byte aligned.
@@ -218,7 +222,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 cursor += b.size
             assert cursor == seg + seg_blocks[0].segment_size
             # Coalescing: never two free neighbours.
-            for b0, b1 in zip(seg_blocks, seg_blocks[1:]):
+            for b0, b1 in zip(seg_blocks, seg_blocks[1:], strict=False):
                 assert not (b0.state == "free" and b1.state == "free")
             assert len({b.stream for b in seg_blocks}) == 1
         live = {b.ptr: b for b in blocks if b.state == "allocated"}
@@ -227,7 +231,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert live[ptr].requested == requested
             assert live[ptr].stream == stream
         spans = sorted((p, p + max(r, 1)) for p, (r, _) in self.live.items())
-        for (_, e0), (s1, _) in zip(spans, spans[1:]):
+        for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
             assert e0 <= s1, "live blocks overlap"
 
     @invariant()
@@ -281,8 +285,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

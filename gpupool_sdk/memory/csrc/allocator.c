@@ -11,6 +11,11 @@
  *   bins     free blocks of one (stream, pool) are kept in segregated bins (exact bins
  *            below 32 KiB, then 16 bins per power of two) with a bitmap of non-empty
  *            bins; each bin is sorted by size, so the search is an exact best fit.
+ *   quick    small-pool blocks are freed into exact-size LIFO lists without coalescing
+ *            (like dlmalloc's fastbins): a training step frees and re-requests the same
+ *            sizes, so the hot path neither splits nor merges. Quick blocks are coalesced
+ *            ("flushed") before the allocator would grow, release or report anything, so
+ *            every observable state (stats, snapshot, trim, quota) is the coalesced one.
  */
 #define _GNU_SOURCE
 #include "allocator.h"
@@ -34,6 +39,9 @@
 
 #define NBINS 704
 #define NWORDS (NBINS / 64)
+#define NQUICK (KSMALL_SIZE / KMIN_BLOCK + 1)
+#define NQWORDS ((NQUICK + 63) / 64)
+#define GP_STATE_QUICK 3 /* internal: freed into a quick list, not yet coalesced */
 
 #define GP_MAX_DEVICES 64
 #define NO_TARGET (-1)
@@ -68,6 +76,9 @@ struct StreamPool {
   int pool;
   Block *bins[NBINS];
   uint64_t bitmap[NWORDS];
+  int64_t nquick;
+  Block *quick[NQUICK];
+  uint64_t qbitmap[NQWORDS];
 };
 
 typedef struct {
@@ -166,17 +177,17 @@ static size_t segment_size_for(size_t rsize) {
   return KROUND_LARGE * ((rsize + KROUND_LARGE - 1) / KROUND_LARGE);
 }
 
-static void stat_update(gp_alloc *a, int kind, int pool, int64_t delta) {
-  int idx[2] = {0, pool + 1};
-  for (int i = 0; i < 2; i++) {
-    Stat *s = &a->stats[kind][idx[i]];
-    s->current += delta;
-    if (delta > 0)
-      s->allocated += delta;
-    else
-      s->freed -= delta;
-    if (s->current > s->peak) s->peak = s->current;
-  }
+/* Hot path: called several times per malloc/free, so branch-free and inlined. "freed" is
+ * allocated - current and is derived when stats are read. */
+static inline __attribute__((always_inline)) void stat_bump(Stat *s, int64_t delta) {
+  s->current += delta;
+  s->allocated += delta > 0 ? delta : 0;
+  s->peak = s->current > s->peak ? s->current : s->peak;
+}
+
+static inline __attribute__((always_inline)) void stat_update(gp_alloc *a, int kind, int pool, int64_t delta) {
+  stat_bump(&a->stats[kind][0], delta);
+  stat_bump(&a->stats[kind][pool + 1], delta);
 }
 
 static int64_t growth_limit(const gp_alloc *a) {
@@ -353,6 +364,54 @@ static Block *bin_find(StreamPool *sp, size_t rsize) {
     if (++w >= NWORDS) return NULL;
     bits = sp->bitmap[w];
   }
+}
+
+static inline void quick_push(StreamPool *sp, Block *b) {
+  size_t u = b->size >> 9;
+  b->fnext = sp->quick[u];
+  sp->quick[u] = b;
+  sp->qbitmap[u >> 6] |= (uint64_t)1 << (u & 63);
+  b->state = GP_STATE_QUICK;
+  sp->nquick++;
+}
+
+static inline Block *quick_pop(StreamPool *sp, size_t rsize) {
+  size_t u = rsize >> 9;
+  Block *b = sp->quick[u];
+  if (!b) return NULL;
+  sp->quick[u] = b->fnext;
+  if (!b->fnext) sp->qbitmap[u >> 6] &= ~((uint64_t)1 << (u & 63));
+  b->fnext = NULL;
+  sp->nquick--;
+  return b;
+}
+
+static void free_block(gp_alloc *a, Block *b);
+
+/* Coalesces every quick block of a stream pool into the free bins. */
+static void quick_flush(gp_alloc *a, StreamPool *sp) {
+  if (!sp->nquick) return;
+  for (int w = 0; w < NQWORDS; w++) {
+    uint64_t bits = sp->qbitmap[w];
+    while (bits) {
+      int u = w * 64 + __builtin_ctzll(bits);
+      bits &= bits - 1;
+      Block *b = sp->quick[u];
+      sp->quick[u] = NULL;
+      while (b) {
+        Block *n = b->fnext;
+        b->fnext = NULL;
+        free_block(a, b);
+        b = n;
+      }
+    }
+    sp->qbitmap[w] = 0;
+  }
+  sp->nquick = 0;
+}
+
+static void quick_flush_all(gp_alloc *a) {
+  for (int i = 0; i < a->nsps; i++) quick_flush(a, a->sps[i]);
 }
 
 static StreamPool *stream_pool(gp_alloc *a, uint64_t stream, int pool) {
@@ -581,6 +640,7 @@ static int64_t release_segment(gp_alloc *a, Segment *s) {
 /* Releases fully free segments, largest first, until reserved <= until (until < 0: all). */
 static int64_t release_free_segments(gp_alloc *a, int64_t until) {
   int64_t released = 0;
+  quick_flush_all(a);
   while (until < 0 || reserved_now(a) > until) {
     Segment *best = NULL;
     for (Segment *s = a->segments; s; s = s->next)
@@ -667,7 +727,13 @@ int gp_malloc(gp_alloc *a, int64_t size, uint64_t stream, uint64_t *out_ptr) {
     return GP_ERR_DEVICE;
   }
   int device_failed = 0;
-  Block *b = bin_find(sp, rsize);
+  Block *b = pool == POOL_SMALL ? quick_pop(sp, rsize) : NULL;
+  if (b) goto found; /* exact size: no split */
+  b = bin_find(sp, rsize);
+  if (!b && sp->nquick) {
+    quick_flush(a, sp);
+    b = bin_find(sp, rsize);
+  }
   if (b) {
     bin_remove(a, b);
   } else {
@@ -676,7 +742,7 @@ int gp_malloc(gp_alloc *a, int64_t size, uint64_t stream, uint64_t *out_ptr) {
       /* PyTorch's retry: wait for pending blocks, free every cached segment, try again. */
       a->counters[GP_C_NUM_ALLOC_RETRIES]++;
       synchronize_events(a);
-      release_free_segments(a, -1);
+      release_free_segments(a, -1); /* flushes quick lists first */
       b = bin_find(sp, rsize);
       if (b) {
         bin_remove(a, b);
@@ -710,6 +776,7 @@ int gp_malloc(gp_alloc *a, int64_t size, uint64_t stream, uint64_t *out_ptr) {
       bin_insert(a, r);
     }
   }
+found:
   b->state = GP_STATE_ALLOCATED;
   b->requested = (size_t)size;
   b->nuses = 0;
@@ -773,7 +840,10 @@ int gp_free(gp_alloc *a, uint64_t ptr) {
   }
   stat_update(a, GP_ST_ACTIVE, pool, -1);
   stat_update(a, GP_ST_ACTIVE_BYTES, pool, -(int64_t)b->size);
-  free_block(a, b);
+  if (pool == POOL_SMALL)
+    quick_push(b->seg->sp, b);
+  else
+    free_block(a, b);
   pthread_mutex_unlock(&a->mu);
   return GP_OK;
 }
@@ -888,6 +958,7 @@ int gp_synchronize(gp_alloc *a) {
 
 void gp_stats(gp_alloc *a, int64_t *out, int n) {
   pthread_mutex_lock(&a->mu);
+  quick_flush_all(a);
   int64_t buf[GP_STATS_LEN];
   int k = 0;
   for (int s = 0; s < GP_ST_N; s++)
@@ -895,7 +966,7 @@ void gp_stats(gp_alloc *a, int64_t *out, int n) {
       buf[k++] = a->stats[s][p].current;
       buf[k++] = a->stats[s][p].peak;
       buf[k++] = a->stats[s][p].allocated;
-      buf[k++] = a->stats[s][p].freed;
+      buf[k++] = a->stats[s][p].allocated - a->stats[s][p].current;
     }
   int64_t free_bytes = 0, largest = 0;
   for (Segment *s = a->segments; s; s = s->next)
@@ -929,6 +1000,7 @@ void gp_reset_peak_stats(gp_alloc *a) {
 
 int64_t gp_snapshot(gp_alloc *a, int64_t *out, int64_t max_rows) {
   pthread_mutex_lock(&a->mu);
+  quick_flush_all(a);
   int64_t rows = 0;
   for (Segment *s = a->segments; s; s = s->next)
     for (Block *b = s->head; b; b = b->next) {
@@ -1037,15 +1109,17 @@ void gpupool_torch_free(void *ptr, ssize_t size, int device, void *stream) {
 
 /* ------------------------------------------------------------------ benchmark */
 
+/* CPU time of the calling thread: robust to a loaded machine, and it includes the kernel
+ * time of mmap/munmap calls made by glibc for large blocks. */
 static int64_t now_ns(void) {
   struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 /* Replays n operations `iters` times: sizes[i] >= 0 allocates into slots[i], sizes[i] < 0
  * frees slots[i]. use_libc selects glibc malloc/free instead of the allocator. Returns the
- * elapsed nanoseconds, or -1 on an allocation failure. */
+ * thread CPU nanoseconds spent, or -1 on an allocation failure. */
 int64_t gp_bench_replay(gp_alloc *a, const int64_t *sizes, const int32_t *slots, int64_t n, int64_t nslots,
                         int64_t iters, int use_libc) {
   uint64_t *held = (uint64_t *)calloc((size_t)nslots, sizeof(uint64_t));
