@@ -30,12 +30,23 @@ CHILD = textwrap.dedent(
     from gpupool_sdk.config import LeaseTiming
 
     endpoint, prefix, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-    timing = LeaseTiming(ttl_s=30, keepalive_interval_s=2, retry_timeout_s=3)
+    if mode == "gil":
+        timing = LeaseTiming(ttl_s=2, keepalive_interval_s=0.3, retry_timeout_s=0.5)
+    else:
+        timing = LeaseTiming(ttl_s=30, keepalive_interval_s=2, retry_timeout_s=3)
     pool = PoolClient(endpoints=endpoint, prefix=prefix, timing=timing, node="node-a")
     lease = pool.acquire(JobSpec(name="trainer", memory="1GiB"), timeout=60)
     report = {"lease": lease.etcd_lease_id, "helper": pool.helper_pid, "grpc_loaded": "grpc" in sys.modules,
               "devices": lease.visible_devices}
-    if mode == "dataloader":
+    if mode == "gil":
+        import ctypes
+        print(json.dumps(report), flush=True)
+        # libc sleep through ctypes.PyDLL keeps the GIL: no Python thread of this process runs.
+        ctypes.PyDLL(None).sleep(int(sys.argv[4]))
+        print(json.dumps({"active_after": lease.active and bool(lease.allocations)}), flush=True)
+        lease.release()
+        pool.close()
+    elif mode == "dataloader":
         import multiprocessing
         import torch
         from torch.utils.data import DataLoader, Dataset
@@ -81,11 +92,11 @@ def auto_grant(store: EtcdStore) -> Iterator[AutoGrant]:
     ag.stop()
 
 
-def start_child(tmp_path: Path, endpoint: str, prefix: str, mode: str) -> subprocess.Popen[str]:
+def start_child(tmp_path: Path, endpoint: str, prefix: str, mode: str, *extra: str) -> subprocess.Popen[str]:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     return subprocess.Popen(
-        [sys.executable, str(script), endpoint, prefix, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(script), endpoint, prefix, mode, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
@@ -222,3 +233,27 @@ def test_keepalive_failing_beyond_the_ttl_fences_the_lease(tmp_path: Path) -> No
     finally:
         store.close()
         server.stop()
+
+
+def test_lease_stays_alive_while_the_training_thread_holds_the_gil(
+    tmp_path: Path, etcd_endpoint: str, store: EtcdStore, auto_grant: AutoGrant
+) -> None:
+    hold_s = 6  # three TTLs of 2 s
+    child = start_child(tmp_path, etcd_endpoint, store.keys.prefix, "gil", str(hold_s))
+    try:
+        assert child.stdout is not None
+        report = json.loads(child.stdout.readline() or "{}")
+        assert report, child.stderr.read() if child.stderr else ""
+        # While the child is stuck holding its GIL, look at the lease repeatedly: always there.
+        seen = 0
+        while child.poll() is None and seen < 2 * hold_s:
+            assert store.lease_info(report["lease"]) is not None
+            seen += 1
+            time.sleep(0.25)
+        after = json.loads(child.stdout.readline() or "{}")
+        assert after.get("active_after") is True
+        assert child.wait(60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
