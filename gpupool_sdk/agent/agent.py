@@ -116,6 +116,7 @@ class NodeAgent:
         self._registered = False
         self._generation = 0
         self._health: dict[str, bool] = {}
+        self._models: dict[str, str] = {}
         self._warned: set[str] = set()
         self.registrations = 0
         self.refreshes = 0
@@ -245,12 +246,20 @@ class NodeAgent:
             raise
         self.registrations += 1
         self._next_at = time.monotonic() + self.refresh_interval_s
-        log.info("node %s: published %d GPU(s) under lease %x", self.node, len(self._health), lease)
+        log.info(
+            "node %s: published %d GPU(s) %s under lease %x (ttl %gs)",
+            self.node,
+            len(self._models),
+            ", ".join(sorted(set(self._models.values()))),
+            lease,
+            self.timing.ttl_s,
+        )
 
     def _sync(self, lease: int, full: bool) -> int:
         keys = self.store.keys
         node_info = self.backend.node_info()
         gpus = {g.uuid: publishable(g) for g in self.backend.gpus()}
+        self._models = {u: g.model for u, g in gpus.items()}
         node_info = replace(node_info, gpu_count=len(gpus))
         self._log_health_changes(gpus.values())
 

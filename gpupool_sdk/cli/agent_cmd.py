@@ -148,14 +148,12 @@ def agent(
     restore = install_stop_handlers(stop, wake)
 
     def started(agents: Sequence[NodeAgent]) -> None:
-        for a in agents:
-            gpus = a.backend.gpus()
-            models = ", ".join(sorted({g.model for g in gpus}))
-            click.echo(
-                f"agent: node {a.node}: {len(gpus)} GPU(s) {models} published under lease {a.lease_id:x} "
-                f"(ttl {timing.ttl_s:g}s, refresh {refresh_s:g}s) on {store.endpoint} prefix {store.keys.prefix}",
-                err=True,
-            )
+        click.echo(
+            f"agent: {len(agents)} node(s) published ({', '.join(a.node for a in agents[:8])}"
+            f"{', ...' if len(agents) > 8 else ''}) on {store.endpoint} prefix {store.keys.prefix}, "
+            f"ttl {timing.ttl_s:g}s, refresh {refresh_s:g}s; SIGTERM revokes their leases",
+            err=True,
+        )
 
     try:
         agents = [NodeAgent(store, b, timing, refresh_interval_s=refresh_s, wake=wake) for b in backends]

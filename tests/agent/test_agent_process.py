@@ -242,3 +242,31 @@ def test_unreachable_etcd_exits_3():
     r = _run_cli("--endpoints", "127.0.0.1:1", "--simulate", "1xT4", "--ttl", "2")
     assert r.returncode == 3, r.stderr
     assert "unreachable" in r.stderr
+
+
+def test_survives_an_etcd_outage_and_registers_again(tmp_path, keyspace, start_agent):
+    from gpupool_sdk.store import EtcdServer, EtcdStore
+
+    server = EtcdServer(data_dir=tmp_path / "etcd-data", name="outage").start(timeout=60)
+    store = EtcdStore(server.endpoint, keyspace=keyspace, timeout_s=2)
+    try:
+        # the last --endpoints wins: this agent talks to the private etcd that the test stops
+        agent = start_agent("--node", "no", "--simulate", "2xT4", "--ttl", "3", "--endpoints", server.endpoint)
+        keys = wait_for(lambda: len(node_keys(store, "no")) == 3 and node_keys(store, "no"), "keys", proc=agent.proc)
+        old_lease = next(iter(keys.values())).lease
+
+        server.stop()
+        wait_for(lambda: "lost" in agent.log(), "the agent to notice its lease is lost", proc=agent.proc)
+        server.start(timeout=60)
+
+        def back_on_a_new_lease() -> bool:
+            k = node_keys(store, "no")
+            leases = {kv.lease for kv in k.values()}
+            return len(k) == 3 and len(leases) == 1 and old_lease not in leases and store.lease_info(leases.pop()) is not None
+
+        wait_for(back_on_a_new_lease, "the node to be published again under a new lease", proc=agent.proc)
+        assert agent.signal(signal.SIGTERM) == 0
+        assert node_keys(store, "no") == {}
+    finally:
+        store.close()
+        server.stop()
