@@ -331,8 +331,7 @@ def plan(
         # the revoke below fails.
         return Plan(job, kind, tuple(ops), guards, revoke_lease=meta.lease)
 
-    shrink = getattr(st, "Shrink", None)
-    if shrink is not None and isinstance(decision, shrink):
+    if isinstance(decision, st.Shrink):
         mem = int(decision.memory_bytes)
         ops = []
         for a in view.allocations:
