@@ -32,6 +32,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -228,7 +229,9 @@ class NodeAgent:
         old, self._keeper = self._keeper, None
         self._registered = False
         if old is not None:
-            old.stop(revoke=True)  # best effort: a lease we gave up must not keep stale keys alive
+            # The old lease is lost or about to expire; the full publish below moves every key of the
+            # node onto the new lease, so nothing is left on the old one.
+            old.stop(revoke=False)
         self._lease_lost.clear()
         self._generation += 1
         generation = self._generation
@@ -382,11 +385,25 @@ def run_agents(
         if on_started is not None:
             on_started(agents)
         while not stop.is_set():
-            delay = min((a.tick() for a in agents), default=1.0)
+            delay = 1.0
+            for i, a in enumerate(agents):
+                if stop.is_set():
+                    break
+                d = a.tick()
+                delay = d if i == 0 else min(delay, d)
             if stop.is_set():
                 break
             wake.wait(max(0.01, delay))
             wake.clear()
     finally:
-        for a in started:
-            a.stop(revoke=True)
+        stop_all(started)
+
+
+def stop_all(agents: Sequence[NodeAgent], revoke: bool = True) -> None:
+    """Stop agents in parallel (with etcd unreachable each stop may wait out a timeout)."""
+    if len(agents) <= 1:
+        for a in agents:
+            a.stop(revoke=revoke)
+        return
+    with ThreadPoolExecutor(max_workers=min(16, len(agents)), thread_name_prefix="gpupool-agent-stop") as pool:
+        list(pool.map(lambda a: a.stop(revoke=revoke), agents))
