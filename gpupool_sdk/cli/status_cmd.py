@@ -5,6 +5,8 @@ Exit codes: 0 shown, 3 etcd unreachable (the message names the endpoint).
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from typing import Any
 
@@ -216,8 +218,11 @@ def status(endpoints: str | None, prefix: str | None, output: str, watch_s: floa
     """Show the leader, nodes, GPUs, jobs, the queue and any malformed keys."""
     if watch_s is not None and watch_s <= 0:
         raise click.BadParameter("must be > 0 seconds", param_hint="-w/--watch")
+    # Malformed keys are shown in the "problems" section; the snapshot's log line would repeat them.
+    logging.getLogger("gpupool_sdk.coordinator.snapshot").setLevel(logging.ERROR)
     store = open_store(endpoints, prefix)
-    console = Console()
+    # Piped output is not wrapped at 80 columns, so keys stay whole for grep and scripts.
+    console = Console(width=None if sys.stdout.isatty() else 220)
     try:
         while True:
             state = read_pool(store)
