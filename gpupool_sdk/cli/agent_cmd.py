@@ -72,9 +72,7 @@ def _backends(
     try:
         return [NvmlBackend(node=node or _host_node_name(), thresholds=thresholds)]
     except NvmlUnavailableError as exc:
-        raise click.UsageError(
-            f"no GPU to publish: {exc}. Example: gpupool agent --node node-a --simulate '4xH100-80GB:nvlink'"
-        ) from None
+        raise click.UsageError(f"no GPU to publish: {exc}") from None
 
 
 @click.command("agent")

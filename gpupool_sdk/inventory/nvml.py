@@ -64,7 +64,7 @@ class NvmlUnavailableError(ConfigError):
         super().__init__(
             "nvml",
             f"NVIDIA GPUs cannot be read through NVML ({reason}); on a machine without GPUs declare "
-            "simulated ones, e.g. --simulate '4xH100-80GB:nvlink'",
+            "simulated ones with --simulate, e.g. gpupool agent --node node-a --simulate '4xH100-80GB:nvlink'",
         )
 
 
