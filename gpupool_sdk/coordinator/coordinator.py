@@ -41,7 +41,7 @@ from gpupool_sdk.scheduler.types import SchedulerConfig
 from gpupool_sdk.store import EtcdStore, WatchEvent
 from gpupool_sdk.store.codec import encode
 from gpupool_sdk.telemetry.pricing import PriceTable
-from gpupool_sdk.telemetry.usage import UsageLedger, UsageRecord
+from gpupool_sdk.telemetry.usage import UsageLedger, UsageRecord, accrue
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,8 @@ class Coordinator:
         self._watcher: Any = None
         self._ledger: UsageLedger | None = None
         self._ledger_dirty: set[str] = set()
+        self._reset_ledger = False
+        self._settled: set[str] = set()  # jobs charged up to now at release since the last accrual
         self._last_accrual: float | None = None
         self._last_flush = 0.0
         self._last_state: PoolState | None = None
@@ -170,10 +172,9 @@ class Coordinator:
         return self._last_state
 
     def _on_demoted(self, reason: str) -> None:
+        # May run on the lease keeper's thread: only flag here; the loop's thread resets the ledger.
         self.stats.fenced_out += 1
-        self._ledger = None  # a later term re-seeds from etcd: another leader may have written since
-        self._ledger_dirty.clear()
-        self._last_accrual = None
+        self._reset_ledger = True
         self._wake.set()
 
     # ------------------------------------------------------------------ watch
@@ -236,6 +237,11 @@ class Coordinator:
                     log.warning("coordinator %s: etcd error: %s", self.id, exc)
                 except NotLeaderError:
                     pass
+                except Exception as exc:  # noqa: BLE001 - one bad cycle must not kill the replica
+                    # Like Patroni's loop: log and carry on; every write is fenced, so a confused
+                    # cycle cannot grant what it should not, and the next cycle re-reads everything.
+                    self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("coordinator %s: cycle failed", self.id)
                 if self._stop.is_set():
                     break
                 if self.election.term:
@@ -280,6 +286,13 @@ class Coordinator:
     def run_cycle(self) -> CycleReport | None:
         """One scheduling cycle if this replica leads; None otherwise."""
         with self._cycle_lock:
+            if self._reset_ledger:
+                # A later term re-seeds from etcd: another leader may have written usage since.
+                self._reset_ledger = False
+                self._ledger = None
+                self._ledger_dirty.clear()
+                self._settled.clear()
+                self._last_accrual = None
             fence = self.election.fence()
             if fence is None:
                 return None
@@ -328,23 +341,37 @@ class Coordinator:
         if self._ledger is None:
             self._ledger = self._seed_ledger(state)
             self._last_accrual = now_m
+            self._settled.clear()
             return
         dt = 0.0 if self._last_accrual is None else now_m - self._last_accrual
         self._last_accrual = now_m
         by_job: dict[str, list[Allocation]] = {}
         for a in state.allocations:
-            by_job.setdefault(a.job, []).append(a)
+            if a.job not in self._settled:
+                by_job.setdefault(a.job, []).append(a)
+        self._settled.clear()
         owners: Mapping[str, str] = {name: v.spec.owner for name, v in state.snapshot.jobs.items()}
         changed = self._ledger.accrue_all(by_job, owners, state.snapshot.gpus, dt, self.prices, state.snapshot.now)
         self._ledger_dirty.update(r.job for r in changed)
 
     def _usage_body(self, job: str, state: PoolState, now: float) -> Mapping[str, Any] | None:
-        # Written with Release/Revoke: the ledger has accrued this job up to this cycle.
+        # Written with Release/Revoke: settle this job's account up to now, so that a job that ran
+        # for less than an accrual interval is still charged; the next accrual skips it.
         if self._ledger is None:
-            return None
-        rec = self._ledger.get(job)
-        if rec is None:
-            return None
+            self._ledger = self._seed_ledger(state)
+            self._last_accrual = time.monotonic()
+        view = state.snapshot.jobs[job]
+        dt = 0.0 if self._last_accrual is None else max(0.0, time.monotonic() - self._last_accrual)
+        if job in self._settled:
+            dt = 0.0  # already charged up to now in this accrual interval
+        rec = self._ledger.get(job) or UsageRecord.new(
+            job, owner=view.spec.owner, qos=view.spec.qos_class, now=now - dt
+        )
+        if view.granted_at is not None and self._ledger.get(job) is None:
+            dt = max(dt, now - view.granted_at)  # first account of this job: charge from its grant
+        rec = accrue(rec, view.allocations, state.snapshot.gpus, dt, self.prices, now=now)
+        self._ledger.records[job] = rec
+        self._settled.add(job)
         self._ledger_dirty.discard(job)
         return rec.to_dict()
 

@@ -6,6 +6,7 @@ import pytest
 
 from gpupool_sdk.errors import SpecError
 from gpupool_sdk.resources import DirectiveKind, GiB, JobSpec, JobState
+from gpupool_sdk.telemetry.usage import UsageRecord
 from scenarios.harness import Pool, wait_for
 
 
@@ -63,6 +64,8 @@ def test_preemption_with_ack_then_high_priority_grant(pool: Pool) -> None:
     assert resume.last_checkpoint is not None and resume.last_checkpoint.path == "/ckpt/low/step1234.ckpt"
     assert resume.preemptions == 1
     assert not low.allocations() and low.directive() is None
+    usage = pool.store.get_record(pool.keys.usage("low"), UsageRecord)
+    assert usage is not None and usage[0].gpu_seconds > 0 and usage[1].lease == 0  # outlives the job
     pool.check()
 
 
