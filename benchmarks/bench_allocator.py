@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import json
 import random
 import sys
@@ -104,9 +105,20 @@ def _ctypes_replay(ops: list[tuple[int, int]], malloc: Any, free: Any, iters: in
     return time.thread_time_ns() - t0
 
 
-def bench_host(iters: int) -> dict[str, Any]:
-    """ns per alloc/free pair on the host backend vs glibc, through ctypes and in C."""
-    ops = training_step_sequence()
+SEQUENCES: dict[str, dict[str, int]] = {
+    # A GPT-2-small-like block in fp16 (batch 8, sequence 512): blocks up to 48 MiB, 1.2 GB peak.
+    "step_large": {},
+    # The same shape scaled down until every block is below glibc's mmap threshold: glibc's best case.
+    "step_small": {"batch": 2, "seq": 64, "hidden": 128},
+}
+
+
+def bench_host(iters: int, sequence: str = "step_large") -> dict[str, Any]:
+    """ns per alloc/free pair on the host backend vs glibc, through ctypes and in C.
+
+    Times are thread CPU time, so a loaded machine does not inflate them.
+    """
+    ops = training_step_sequence(**SEQUENCES[sequence])
     pairs = sum(1 for _, s in ops if s >= 0) * iters
     lib = _native.load()
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -118,20 +130,25 @@ def bench_host(iters: int) -> dict[str, Any]:
     peak = 0
     with CachingAllocator(backend="host") as alloc:
         handle = alloc.handle
-        ptr = ctypes.c_uint64()
-        ref = ctypes.byref(ptr)
-        gp_malloc, gp_free = lib.gp_malloc, lib.gp_free
+        # Both sides: one Python frame and one ctypes call per operation.
+        gp_malloc_ptr, gp_free, c_malloc, c_free = lib.gp_malloc_ptr, lib.gp_free, libc.malloc, libc.free
 
         def raw_malloc(size: int) -> int:
-            gp_malloc(handle, size, 0, ref)
-            return ptr.value
+            return gp_malloc_ptr(handle, size, 0)
 
         def raw_free(p: int) -> None:
             gp_free(handle, p)
 
+        def glibc_malloc(size: int) -> int:
+            return c_malloc(size)
+
+        def glibc_free(p: int) -> None:
+            c_free(p)
+
         _ctypes_replay(ops, raw_malloc, raw_free, 1)  # warm the cache: steady state is what we measure
         gp_ns = _ctypes_replay(ops, raw_malloc, raw_free, iters)
-        libc_ns = _ctypes_replay(ops, libc.malloc, libc.free, iters)
+        _ctypes_replay(ops, glibc_malloc, glibc_free, 1)
+        libc_ns = _ctypes_replay(ops, glibc_malloc, glibc_free, iters)
         api_ns = (
             _ctypes_replay(ops, alloc.malloc, alloc.free, max(1, iters // 4)) * iters // max(1, iters // 4)
         )
@@ -202,15 +219,11 @@ def bench_gpu(iters: int) -> dict[str, Any]:
     lib = _native.load()
     with CachingAllocator(backend="cuda", device=device) as alloc:
         handle = alloc.handle
-        ptr = ctypes.c_uint64()
-        ref = ctypes.byref(ptr)
 
-        def raw_malloc(size: int) -> int:
-            lib.gp_malloc(handle, size, stream, ref)
-            return ptr.value
+        def raw_malloc(size: int) -> int:  # a Python frame per call, like torch_malloc above
+            return int(lib.gp_malloc_ptr(handle, size, stream))
 
-        def raw_free(p: int) -> None:
-            lib.gp_free(handle, p)
+        raw_free = functools.partial(lib.gp_free, handle)
 
         _ctypes_replay(ops, raw_malloc, raw_free, 1)
         gp_ns = _ctypes_replay(ops, raw_malloc, raw_free, iters)
@@ -243,7 +256,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     """
     iters = 20 if quick else 200
     result: dict[str, Any] = {"benchmark": "allocator", "iterations": iters}
-    result.update(bench_host(iters))
+    for name in SEQUENCES:
+        result.update({f"{name}_{k}": v for k, v in bench_host(iters, name).items()})
     result.update(bench_balloon_host(3 if quick else 20))
     result.update({f"gpu_{k}" if not k.startswith("gpu") else k: v for k, v in bench_gpu(iters).items()})
     return result

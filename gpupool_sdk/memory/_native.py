@@ -160,6 +160,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "gp_create": (c_void_p, [c_int, c_int, c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
         "gp_destroy": (None, [c_void_p]),
         "gp_malloc": (c_int, [c_void_p, c_int64, c_uint64, ctypes.POINTER(c_uint64)]),
+        "gp_malloc_ptr": (c_uint64, [c_void_p, c_int64, c_uint64]),
+        "gp_last_rc": (c_int, []),
         "gp_free": (c_int, [c_void_p, c_uint64]),
         "gp_record_stream": (c_int, [c_void_p, c_uint64, c_uint64]),
         "gp_block_size": (c_int64, [c_void_p, c_uint64]),

@@ -133,7 +133,8 @@ class CachingAllocator:
             )
         self._handle: int | None = handle
         self._close_lock = threading.Lock()
-        self._out = ctypes.c_uint64()
+        self._malloc_ptr = self._lib.gp_malloc_ptr
+        self._free = self._lib.gp_free
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -190,11 +191,10 @@ class CachingAllocator:
         """
         if size < 0:
             raise ConfigError("size", f"must be >= 0, got {size}")
-        out = ctypes.c_uint64()
-        rc = self._lib.gp_malloc(self._h(), size, stream, ctypes.byref(out))
-        if rc == _native.GP_OK:
-            return int(out.value)
-        raise self._malloc_error(rc, size, stream)
+        ptr = self._malloc_ptr(self._h(), size, stream)
+        if ptr:
+            return int(ptr)
+        raise self._malloc_error(int(self._lib.gp_last_rc()), size, stream)
 
     def _malloc_error(self, rc: int, size: int, stream: int) -> Exception:
         quota_cls, device_cls = oom_error_classes()
@@ -252,7 +252,7 @@ class CachingAllocator:
         Raises:
             InvalidPointerError: ``ptr`` is not a live allocation of this allocator.
         """
-        if self._lib.gp_free(self._h(), ptr) != _native.GP_OK:
+        if self._free(self._h(), ptr) != _native.GP_OK:
             raise InvalidPointerError(self._last_error())
 
     def record_stream(self, ptr: int, stream: int) -> None:

@@ -797,6 +797,16 @@ found:
   return GP_OK;
 }
 
+static __thread int tls_last_rc;
+
+uint64_t gp_malloc_ptr(gp_alloc *a, int64_t size, uint64_t stream) {
+  uint64_t p = 0;
+  tls_last_rc = gp_malloc(a, size, stream, &p);
+  return tls_last_rc == GP_OK ? p : 0;
+}
+
+int gp_last_rc(void) { return tls_last_rc; }
+
 int gp_free(gp_alloc *a, uint64_t ptr) {
   pthread_mutex_lock(&a->mu);
   size_t slot = 0;

@@ -73,6 +73,10 @@ typedef struct gp_alloc gp_alloc;
 gp_alloc *gp_create(int backend, int device, int64_t quota, const char *cudart_path, char *err, size_t errlen);
 void gp_destroy(gp_alloc *a);
 int gp_malloc(gp_alloc *a, int64_t size, uint64_t stream, uint64_t *out_ptr);
+/* Same as gp_malloc, for callers that cannot pass an out pointer cheaply (ctypes): returns the
+ * address, or 0 with the return code kept for gp_last_rc() in the calling thread. */
+uint64_t gp_malloc_ptr(gp_alloc *a, int64_t size, uint64_t stream);
+int gp_last_rc(void);
 int gp_free(gp_alloc *a, uint64_t ptr);
 int gp_record_stream(gp_alloc *a, uint64_t ptr, uint64_t stream);
 int64_t gp_block_size(gp_alloc *a, uint64_t ptr);
