@@ -99,6 +99,7 @@ def coordinator(
         from gpupool_sdk.telemetry.prometheus import serve_metrics
 
         metrics = serve_metrics(store, metrics_port)
+        click.echo(f"metrics on http://0.0.0.0:{metrics.port}/metrics", err=True)
     click.echo(
         f"coordinator {coord.id} on {store.endpoint} prefix {store.keys.prefix} "
         f"(ttl {timing.ttl_s:g}s, loop_wait {coord.timing.loop_wait_s:g}s, retry_timeout {timing.retry_timeout_s:g}s)",

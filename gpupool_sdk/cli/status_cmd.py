@@ -167,7 +167,7 @@ def render(state: PoolState, endpoint: str) -> Group:
     for n in d["nodes"]:
         state_txt = "draining" if n["draining"] else ("ready" if n["present"] else "no agent")
         nodes.add_row(n["name"], n["backend"] or "-", str(n["gpus"]), n["hostname"] or "-", state_txt)
-    parts.append(nodes)
+    parts.append(nodes if d["nodes"] else Text("no nodes: start `gpupool agent` on each GPU machine", "yellow"))
 
     gpus = Table(title="GPUs", title_justify="left")
     for c in ("NODE", "IDX", "UUID", "MODEL", "MEMORY", "USED", "JOBS", "HEALTH", "SCHED"):
@@ -179,7 +179,8 @@ def render(state: PoolState, endpoint: str) -> Group:
             g["node"], str(g["index"]), g["uuid"], g["model"], format_size(g["memory_bytes"]),
             format_size(g["used_memory_bytes"]), ",".join(g["jobs"]) or "-", health, sched,
         )
-    parts.append(gpus)
+    if d["gpus"]:
+        parts.append(gpus)
 
     jobs = Table(title="Jobs", title_justify="left")
     for c in ("JOB", "STATE", "PRIO", "QOS", "SLICES", "ALLOCATIONS", "REASON"):
@@ -188,7 +189,7 @@ def render(state: PoolState, endpoint: str) -> Group:
         mem = "whole" if j["memory_bytes"] == 0 else format_size(j["memory_bytes"])
         allocs = " ".join(f"{a['node']}/{a['gpu_index']}" for a in j["allocations"]) or "-"
         jobs.add_row(j["name"], j["state"], str(j["priority"]), j["qos"], f"{j['gpus']}x{mem}", allocs, j["reason"])
-    parts.append(jobs)
+    parts.append(jobs if d["jobs"] else Text("no jobs"))
 
     if d["queue"]:
         q = Table(title="Queue", title_justify="left")
