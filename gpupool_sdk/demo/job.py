@@ -44,7 +44,7 @@ class TinyRegressor(pl.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     def train_dataloader(self) -> ResumableDataLoader:
         g = torch.Generator().manual_seed(self.seed)

@@ -42,7 +42,7 @@ from typing import Any
 
 from gpupool_sdk.errors import ConfigError, GpupoolError, LeaseLostError
 from gpupool_sdk.resources import Directive, DirectiveKind, JobSpec
-from gpupool_sdk.telemetry.phases import PhaseTimer
+from gpupool_sdk.telemetry.phases import Phase, PhaseTimer
 
 log = logging.getLogger("gpupool_sdk.integrations")
 
@@ -393,6 +393,8 @@ class PoolRuntime:
         self.preemptions += 1
         save(path)
         saved = time.monotonic()
+        # Written between steps (the last step is closed): lifetime totals only.
+        self.timer.add(Phase.CHECKPOINT, saved - boundary, standalone=True)
         self.preempted = True
         self._handled_seqs.add(dec.seq)
         if self.is_leader and self.lease is not None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from typing import Any
 
 from gpupool_sdk.integrations._core import EX_TEMPFAIL, Decision, PoolLeaseLostError, PoolRuntime
@@ -275,9 +274,7 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
 
     def _save(self, trainer: Any) -> Any:
         def save(path: str) -> None:
-            began = time.monotonic()
             trainer.save_checkpoint(path)
-            self.runtime.timer.add(Phase.CHECKPOINT, time.monotonic() - began)
             self._last_checkpoint = path
 
         return save

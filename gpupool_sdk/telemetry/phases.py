@@ -160,8 +160,15 @@ class PhaseTimer:
             self._cur_events.append((phase, start_ev, end_ev))
         return elapsed
 
-    def add(self, phase: Phase, seconds: float) -> None:
-        """Add ``seconds`` measured elsewhere to ``phase`` of the current step."""
+    def add(self, phase: Phase, seconds: float, standalone: bool = False) -> None:
+        """Add ``seconds`` measured elsewhere to ``phase`` of the current step.
+
+        With ``standalone`` the time goes straight into the lifetime totals, outside any step
+        (a checkpoint written when training stops, after the last step).
+        """
+        if standalone:
+            self.total_s[phase] += max(0.0, seconds)
+            return
         if self._step_started is None:
             self._step_started = self._clock() - seconds
         self._cur[phase] = self._cur.get(phase, 0.0) + max(0.0, seconds)
