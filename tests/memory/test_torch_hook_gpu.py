@@ -52,14 +52,16 @@ def test_replace_mode_trains_a_model_under_a_quota() -> None:
             opt.zero_grad(); loss.backward(); opt.step()
             losses.append(loss.item())
         st = alloc.stats()
+        ooms = st["num_ooms"]
         try:
-            torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-            over = "no error"
+            big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+            over = "no error, data_ptr %d" % big.data_ptr()
         except torch.OutOfMemoryError as e:
             over = type(e).__name__
         except RuntimeError as e:
             over = "RuntimeError: " + str(e)[:200]
         print(json.dumps({
+            "refused": alloc.stats()["num_ooms"] == ooms + 1,
             "first": losses[0], "last": losses[-1],
             "reserved_peak": st["reserved_bytes.all.peak"], "allocated_peak": st["allocated_bytes.all.peak"],
             "allocations": st["allocation.all.allocated"], "quota": st["gpupool.quota_bytes"], "over": over,
@@ -69,7 +71,10 @@ def test_replace_mode_trains_a_model_under_a_quota() -> None:
     assert result["allocations"] > 100  # torch really allocated through the SDK's allocator
     assert result["reserved_peak"] <= result["quota"] == 512 * MiB
     assert result["last"] < result["first"]
-    assert result["over"] != "no error"
+    assert result["refused"]  # the SDK refused the over-quota request...
+    assert result["over"] in ("OutOfMemoryError", "no error, data_ptr 0") or result["over"].startswith(
+        "Runtime"
+    )
 
 
 def test_replace_mode_refuses_after_cuda_init() -> None:

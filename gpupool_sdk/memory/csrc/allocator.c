@@ -1106,8 +1106,26 @@ gp_alloc *gp_global_get(int device) {
 void *gpupool_torch_malloc(ssize_t size, int device, void *stream) {
   gp_alloc *a = gp_global_get(device);
   uint64_t p = 0;
-  if (!a || gp_malloc(a, (int64_t)size, (uint64_t)(uintptr_t)stream, &p) != GP_OK) return NULL;
-  return (void *)(uintptr_t)p;
+  if (!a) {
+    fprintf(stderr, "gpupool: no allocator for CUDA device %d; call install_torch_allocator(devices=[...])\n",
+            device);
+    return NULL;
+  }
+  int rc = gp_malloc(a, (int64_t)size, (uint64_t)(uintptr_t)stream, &p);
+  if (rc == GP_OK) return (void *)(uintptr_t)p;
+  /* The pluggable-allocator interface has no way to raise: say why on stderr, since some torch
+   * versions turn the NULL into a CUDA error later rather than an OutOfMemoryError. */
+  pthread_mutex_lock(&a->mu);
+  long long quota = a->quota == INT64_MAX ? -1 : (long long)a->quota, target = (long long)a->target;
+  long long reserved = a->stats[GP_ST_RESERVED_BYTES][0].current;
+  long long allocated = a->stats[GP_ST_ALLOCATED_BYTES][0].current;
+  pthread_mutex_unlock(&a->mu);
+  fprintf(stderr,
+          "gpupool: CUDA allocation of %lld bytes on device %d refused (%s): quota %lld, balloon target %lld, "
+          "reserved %lld, allocated %lld bytes\n",
+          (long long)size, device, rc == GP_ERR_QUOTA ? "over the quota" : "device out of memory", quota, target,
+          reserved, allocated);
+  return NULL;
 }
 
 void gpupool_torch_free(void *ptr, ssize_t size, int device, void *stream) {
