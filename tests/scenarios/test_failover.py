@@ -89,3 +89,33 @@ def test_sigterm_hands_over_at_once(pool: Pool) -> None:
     job = pool.submit("after", gpus=1, qos="exclusive")
     assert job.wait_state(JobState.GRANTED).term == rec.term
     pool.check()
+
+
+def test_a_paused_leader_wakes_up_deposed_and_cannot_write(pool: Pool) -> None:
+    pool.gpus("node-a:4xA100-80GB:pcie")
+    procs = {"c1": pool.coordinator("c1"), "c2": pool.coordinator("c2")}
+    first = pool.wait_leader()
+    other = "c2" if first.id == "c1" else "c1"
+    early = pool.submit("early", gpus=1, qos="exclusive")
+    assert early.wait_state(JobState.GRANTED).term == first.term
+    # Freeze the leader past its TTL (a long GC pause, a stalled VM): the standby takes over.
+    procs[first.id].send_signal(signal.SIGSTOP)
+    try:
+        second = wait_for(lambda: (r if (r := pool.leader()) is not None and r.id == other else None),
+                          timeout=2 * COORD_TTL + 10, what="the standby to take over from the frozen leader")
+        assert second.term > first.term
+        late = pool.submit("late", gpus=1, qos="exclusive")
+        assert late.wait_state(JobState.GRANTED).term == second.term
+    finally:
+        procs[first.id].send_signal(signal.SIGCONT)
+    # The old leader resumes believing nothing happened: it must step down, not write.
+    wait_for(lambda: "steps down" in pool.log(f"coordinator-{first.id}"), what="the old leader to step down")
+    more = [pool.submit(f"more-{i}", gpus=1, qos="exclusive") for i in range(2)]
+    for j in more:
+        assert j.wait_state(JobState.GRANTED).term == second.term
+    assert procs[first.id].poll() is None, "a deposed leader stays up as a standby"
+    leader = pool.leader()
+    assert leader is not None and leader.id == other
+    assert all(a.term in (first.term, second.term) for a in pool.allocations())
+    assert {a.job for a in pool.allocations() if a.term == first.term} <= {"early"}
+    pool.check()
