@@ -151,3 +151,38 @@ def test_standby_takes_over_when_the_leader_lease_expires(store: EtcdStore, elec
         time.sleep(0.1)
     assert b.is_leader()
     assert b.term > term_a
+
+
+def test_leader_steps_down_when_etcd_stops_answering(tmp_path: Any) -> None:
+    """A private etcd is frozen (SIGSTOP): renewals fail, and the leader stops trusting itself."""
+    import os
+    import signal
+
+    from gpupool_sdk.store import EtcdServer, Keyspace
+
+    server = EtcdServer(data_dir=tmp_path / "etcd").start(timeout=60)
+    store = EtcdStore(server.endpoint, keyspace=Keyspace("/election-pause"), timeout_s=0.5)
+    demoted: list[str] = []
+    e = Election(store, "solo", TIMING, on_demoted=demoted.append)
+    try:
+        assert e.step()
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 4 * TIMING.lease.ttl_s
+            while e.is_leader() and time.monotonic() < deadline:
+                assert e.step() in (True, False)  # etcd errors are absorbed, never raised
+                time.sleep(TIMING.loop_wait_s)
+            assert not e.is_leader()
+            assert demoted and ("renewal" in demoted[0] or "lease" in demoted[0])
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        # etcd is back: the replica can lead again (its old lease is gone or revoked).
+        deadline = time.monotonic() + 4 * TIMING.lease.ttl_s
+        while not e.step() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert e.is_leader() and e.term >= 2
+    finally:
+        e.resign()
+        store.close()
+        server.stop()
