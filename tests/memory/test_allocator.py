@@ -351,3 +351,17 @@ def test_threads_share_one_allocator_safely(alloc: CachingAllocator) -> None:
     st = alloc.stats()
     assert st["allocation.all.current"] == 0 and st["allocated_bytes.all.current"] == 0
     assert st["allocation.all.allocated"] == 8000
+
+
+def test_absurd_requests_fail_cleanly() -> None:
+    from gpupool_sdk.memory import DeviceOutOfMemoryError
+
+    with CachingAllocator(backend="host", quota="4MiB") as a:
+        with pytest.raises(QuotaExceededError):
+            a.malloc(1 << 62)
+        assert a.stats()["num_ooms"] == 1
+    with (
+        CachingAllocator(backend="host") as a,
+        pytest.raises(DeviceOutOfMemoryError, match="backend could not"),
+    ):
+        a.malloc(1 << 62)

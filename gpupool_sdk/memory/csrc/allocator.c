@@ -716,6 +716,13 @@ static Block *grow(gp_alloc *a, StreamPool *sp, size_t rsize, int pool, int *dev
 
 int gp_malloc(gp_alloc *a, int64_t size, uint64_t stream, uint64_t *out_ptr) {
   if (size < 0 || !out_ptr) return GP_ERR_INVALID;
+  if (size > ((int64_t)1 << 56)) { /* no device has 64 PiB; also keeps the rounding from overflowing */
+    pthread_mutex_lock(&a->mu);
+    a->counters[GP_C_NUM_OOMS]++;
+    int rc = (int64_t)(size) > growth_limit(a) ? GP_ERR_QUOTA : GP_ERR_DEVICE;
+    pthread_mutex_unlock(&a->mu);
+    return rc;
+  }
   pthread_mutex_lock(&a->mu);
   if (a->npending) process_events(a, 0);
   size_t rsize = (size_t)gp_round_size(size);
