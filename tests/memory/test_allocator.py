@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -22,7 +23,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def alloc() -> CachingAllocator:
+def alloc() -> Iterator[CachingAllocator]:
     a = CachingAllocator(backend="host", quota="1GiB")
     yield a
     a.close()

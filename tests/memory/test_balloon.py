@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -52,7 +53,7 @@ def snapshot_state(opt: Any) -> dict:
 
 
 @pytest.fixture
-def host_balloon() -> AllocatorBalloonController:
+def host_balloon() -> Iterator[AllocatorBalloonController]:
     b = make_balloon_controller("host", quota_bytes="256MiB")
     assert isinstance(b, AllocatorBalloonController)
     yield b
