@@ -270,11 +270,18 @@ class Coordinator:
         state = self._last_state
         if state is None:
             return self.timing.loop_wait_s
-        deadlines = [v.directive.deadline for v in state.snapshot.jobs.values() if v.directive is not None]
-        if not deadlines:
+        now = time.time()
+        # Only deadlines still ahead: one already past was seen by the cycle that just ran (a
+        # deflate directive, say, may legitimately outlive its deadline; no busy loop for it).
+        ahead = [
+            v.directive.deadline
+            for v in state.snapshot.jobs.values()
+            if v.directive is not None and v.directive.deadline > state.snapshot.now
+        ]
+        if not ahead:
             return self.timing.loop_wait_s
         # A little past the deadline so the cycle sees it expired.
-        return max(0.0, min(deadlines) - time.time() + 0.01)
+        return max(0.0, min(ahead) - now + 0.01)
 
     # ------------------------------------------------------------------ one cycle
 
