@@ -10,6 +10,8 @@ import pytest
 
 from gpupool_sdk.memory import InstallError, NativeBuildError, _native, torch_hook
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "gpupool-no-such-compiler")
@@ -26,13 +28,17 @@ def test_fresh_build_in_a_cache_dir(tmp_path: Path) -> None:
         "print(_native.library_path())\n"
     )
     env = {"GPUPOOL_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True
+    )
     built = Path(out.stdout.strip())
     assert built.parent == tmp_path and built.name.startswith("libgpupool_alloc-") and built.exists()
     assert list(tmp_path.glob(".build-*")) == []
     # A second process reuses it even without a compiler.
     env["CC"] = "gpupool-no-such-compiler"
-    out2 = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out2 = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True
+    )
     assert out2.stdout.strip() == str(built)
 
 

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ def run_script(body: str, timeout: float = 240) -> dict:
     """Runs a script in a fresh interpreter; its last stdout line is a JSON result."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(body)],
+        cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,
         timeout=timeout,
