@@ -162,13 +162,17 @@ class Election:
         with self._lock:
             if self._keeper is not None and not self._keeper.lost:
                 return self._keeper.lease_id
-            keeper = LeaseKeeper(self._store, self.timing.lease, on_lost=self._lease_lost)
+            holder: list[LeaseKeeper] = []
+            keeper = LeaseKeeper(self._store, self.timing.lease, on_lost=lambda r: self._lease_lost(holder, r))
+            holder.append(keeper)
             keeper.start()
             self._keeper = keeper
             return keeper.lease_id
 
-    def _lease_lost(self, reason: object) -> None:
+    def _lease_lost(self, holder: list[LeaseKeeper], reason: object) -> None:
         with self._lock:
+            if not holder or holder[0] is not self._keeper:
+                return  # an older keeper, already replaced
             self._keeper = None
             if self._fence is not None:
                 self._demote_locked(f"the coordinator's etcd lease was lost: {reason}")
@@ -204,8 +208,19 @@ class Election:
             return kv.mod_revision, kv.mod_revision
 
     def _campaign(self) -> bool:
-        cur = self.read_leader()
-        if cur is not None:
+        kv = self._store.get(self._ks.leader())
+        if kv is not None:
+            if kv.lease == 0:
+                # No coordinator writes it without a lease: hand-written, it would block every
+                # election forever. Remove that exact version of it; campaign on the next step.
+                log.warning("deleting a leader key on no lease (hand-written?): %r", kv.value[:200])
+                self._store.txn([Compare(kv.key, "mod", "==", kv.mod_revision)], [Delete(kv.key)])
+                return False
+            try:
+                self.observed_leader = decode(kv.key, kv.value, LeaderRecord)
+            except SchemaError as exc:
+                self.observed_leader = None
+                log.warning("leader key unreadable (%s); waiting for its lease %x to expire", exc, kv.lease)
             return False
         lease = self._ensure_lease()
         last, term_rev = self._read_term()
@@ -213,13 +228,21 @@ class Election:
         rec = LeaderRecord(id=self.id, term=term, since=time.time())
         value = encode(rec)
         started = self._clock()
-        ok = self._store.txn(
-            [Compare(self._ks.leader(), "create", "==", 0), Compare(self._ks.term(), "mod", "==", term_rev)],
-            [
-                Put(self._ks.leader(), value, lease),
-                Put(self._ks.term(), encode({"term": term, "leader": self.id, "at": rec.since}, kind="Term")),
-            ],
-        )
+        try:
+            ok = self._store.txn(
+                [Compare(self._ks.leader(), "create", "==", 0), Compare(self._ks.term(), "mod", "==", term_rev)],
+                [
+                    Put(self._ks.leader(), value, lease),
+                    Put(self._ks.term(), encode({"term": term, "leader": self.id, "at": rec.since}, kind="Term")),
+                ],
+            )
+        except LeaseLostError:
+            # Our lease expired before its keeper noticed: drop it; the next step grants a new one.
+            with self._lock:
+                keeper, self._keeper = self._keeper, None
+            if keeper is not None:
+                keeper.stop(revoke=False)
+            return False
         if not ok:
             return False
         kv = self._store.get(self._ks.leader())

@@ -186,3 +186,11 @@ def test_leader_steps_down_when_etcd_stops_answering(tmp_path: Any) -> None:
         e.resign()
         store.close()
         server.stop()
+
+
+def test_a_hand_written_leader_key_does_not_block_elections(store: EtcdStore, elections: list[Election], etcdctl: Any) -> None:
+    etcdctl("put", store.keys.leader(), '{"schema": 1, "kind": "LeaderRecord", "id": "ghost", "term": 99}')
+    a = _election(store, elections, "coord-a")
+    assert a.step() is False  # removes the leaseless key
+    assert a.step() is True
+    assert a.term >= 1
