@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gpupool_sdk.errors import SpecError
@@ -127,4 +129,18 @@ def test_real_client_processes_preempt_ack_and_grant(pool: Pool) -> None:
     high.kill()
     high.wait(10)
     wait_for(lambda: not pool.allocations(), what="the killed job's grants to expire with its lease")
+    pool.check()
+
+
+def test_hand_edited_garbage_is_skipped_and_the_pool_keeps_working(pool: Pool, etcdctl: Any) -> None:
+    uuids = pool.gpus("node-a:2xA100-40GB:pcie")
+    pool.coordinator("c1")
+    pool.wait_leader()
+    etcdctl("put", pool.keys.job_spec("garbage"), "{not json")
+    etcdctl("put", pool.keys.allocation("node-a", uuids[0], "ghost"), '{"schema": 1, "kind": "Allocation"}')
+    etcdctl("put", pool.keys.directive("nobody"), "[]")
+    job = pool.submit("fine", gpus=1, memory="10GiB", qos="guaranteed")
+    job.wait_state(JobState.GRANTED)
+    assert "garbage" in pool.log("coordinator-c1")  # reported with its key
+    assert pool.procs[-1].poll() is None
     pool.check()
