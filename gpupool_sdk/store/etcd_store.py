@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -126,38 +127,42 @@ class EtcdStore:
         old.close()
 
     def _call(self, op: str, fn: Callable[[Stubs, float], T], idempotent: bool = False, timeout_s: float | None = None) -> T:
-        """Run ``fn(stubs, deadline)`` with error mapping, failover and (for reads) retry."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        """Run ``fn(stubs, deadline_s)`` with error mapping, failover and retry, within ``timeout_s``.
 
-        def once() -> T:
-            errors: list[str] = []
-            for _ in range(len(self.endpoints)):
-                st = self.stubs()
-                try:
-                    return fn(st, timeout)
-                except grpc.RpcError as exc:
-                    err = map_grpc_error(exc, op, st.endpoint)
-                    if not isinstance(err, StoreUnavailableError):
-                        raise err from None
-                    # Only a refused connection proves a write was not applied; a timeout may have been.
-                    refused = exc.code() == grpc.StatusCode.UNAVAILABLE if hasattr(exc, "code") else False
+        Reads (``idempotent``) retry any unavailability with backoff. Writes retry only when the
+        connection was never made (the request provably did not reach etcd): a write that timed
+        out or broke mid-flight may have been applied, so it surfaces as StoreUnavailableError.
+        """
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        errors: list[str] = []
+
+        def attempt() -> T:
+            st = self.stubs()
+            try:
+                return fn(st, max(0.05, deadline - time.monotonic()))
+            except grpc.RpcError as exc:
+                err = map_grpc_error(exc, op, st.endpoint)
+                if isinstance(err, StoreUnavailableError):
                     errors.append(str(err))
                     self._failover(st)
-                    if not (idempotent or refused):
-                        raise err from None
-            if len(errors) == 1:
-                raise StoreUnavailableError(errors[0])
-            raise StoreUnavailableError(f"no etcd endpoint reachable during {op}: " + " | ".join(errors))
+                    if idempotent or _not_sent(exc):
+                        raise _Retry(err) from None
+                raise err from None
 
-        if not idempotent:
-            return once()
         retrying = Retrying(
             stop=stop_after_delay(timeout),
             wait=wait_exponential(multiplier=0.05, max=0.5),
-            retry=retry_if_exception_type(StoreUnavailableError),
+            retry=retry_if_exception_type(_Retry),
             reraise=True,
         )
-        return retrying(once)
+        try:
+            return retrying(attempt)
+        except _Retry as exc:
+            distinct = list(dict.fromkeys(errors))
+            if len(self.endpoints) > 1 and len(distinct) > 1:
+                raise StoreUnavailableError(f"no etcd endpoint reachable during {op}: " + " | ".join(distinct[-len(self.endpoints):])) from None
+            raise exc.error from None
 
     # ------------------------------------------------------------------ reads
 
@@ -373,6 +378,21 @@ class EtcdStore:
 
     def __repr__(self) -> str:
         return f"EtcdStore(endpoints={','.join(self.endpoints)!r}, prefix={self.keys.prefix!r})"
+
+
+class _Retry(Exception):
+    """Internal: an unavailability worth retrying (carries the typed error to raise in the end)."""
+
+    def __init__(self, error: StoreUnavailableError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _not_sent(exc: grpc.RpcError) -> bool:
+    """True when gRPC failed before the request left (no connection could be made)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = ((exc.details() if hasattr(exc, "details") else "") or "").lower()
+    return code == grpc.StatusCode.UNAVAILABLE and ("failed to connect" in details or "connection refused" in details)
 
 
 def decode_all(
