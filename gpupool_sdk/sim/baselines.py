@@ -15,11 +15,12 @@
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Sequence
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.scheduler.types import Decision, Grant, Preempt, SliceGrant
-from gpupool_sdk.sim.engine import RUNNING, SimJob, Simulator
+from gpupool_sdk.sim.engine import PENDING, RUNNING, SimJob, Simulator
 
 EPS = 1e-9
 
@@ -119,6 +120,35 @@ class TiresiasPolicy(_Base):
         self.thresholds = ts
         self.starve_ratio = starve_ratio
         self._offset: dict[int, float] = {}  # attained GPU-s at the last promotion, per job
+        self._pkey: dict[int, tuple[int, float, int]] = {}  # pending job -> its sort key
+        self._psorted: list[tuple[int, float, int]] = []  # pending keys, sorted
+        self._promo: list[tuple[float, int, float]] = []  # (promotion time, job, queued_since)
+
+    def bind(self, sim: Simulator) -> None:
+        self.sim = sim
+        sim.listeners.append(self._on_change)
+
+    def _on_change(self, job: SimJob) -> None:
+        pending = job.state == PENDING
+        key = self._pkey.get(job.index)
+        if pending and key is None:
+            self._insert(job)
+            if self.starve_ratio > 0 and job.last_run_s > 0:
+                heapq.heappush(
+                    self._promo, (job.queued_since + self.starve_ratio * job.last_run_s, job.index, job.queued_since)
+                )
+        elif not pending and key is not None:
+            self._remove(job.index)
+
+    def _insert(self, job: SimJob) -> None:
+        key = (self.queue_of(job, self.sim.now), job.submit, job.index)
+        self._pkey[job.index] = key
+        bisect.insort(self._psorted, key)
+
+    def _remove(self, index: int) -> None:
+        key = self._pkey.pop(index)
+        i = bisect.bisect_left(self._psorted, key)
+        del self._psorted[i]
 
     def _attained(self, job: SimJob, now: float) -> float:
         att = job.attained_gpu_s
@@ -131,37 +161,42 @@ class TiresiasPolicy(_Base):
         return bisect.bisect_right(self.thresholds, self._attained(job, now))
 
     def _promote(self, sim: Simulator) -> None:
-        if self.starve_ratio <= 0:
-            return
-        now = sim.now
-        for job in sim.pending.values():
-            if job.last_run_s > 0 and now - job.queued_since >= self.starve_ratio * job.last_run_s:
-                self._offset[job.index] = job.attained_gpu_s
+        while self._promo and self._promo[0][0] <= sim.now:
+            _, idx, since = heapq.heappop(self._promo)
+            job = sim.jobs[idx]
+            if job.state == PENDING and job.queued_since == since and idx in self._pkey:
+                self._offset[idx] = job.attained_gpu_s
+                self._remove(idx)
+                self._insert(job)
 
     def schedule(self, sim: Simulator) -> list[Decision]:
         now = sim.now
         self._promote(sim)
-        active = [j for j in sim.running.values() if j.state == RUNNING]
-        active.extend(sim.pending.values())
-        active.sort(key=lambda j: (self.queue_of(j, now), j.submit, j.index))
+        running = sorted(
+            (self.queue_of(j, now), j.submit, j.index) for j in sim.running.values() if j.state == RUNNING
+        )
         budget = sum(1 for h in sim.healthy if h)
-        selected: set[int] = set()
-        for job in active:
+        selected: list[SimJob] = []
+        for _, _, idx in heapq.merge(running, self._psorted):
+            job = sim.jobs[idx]
             if job.num_gpu <= budget:
-                selected.add(job.index)
+                selected.append(job)
                 budget -= job.num_gpu
-            if budget == 0:
-                break
+                if budget == 0:
+                    break
+        chosen = {j.index for j in selected}
         out: list[Decision] = []
         for job in sim.running.values():
-            if job.state == RUNNING and job.index not in selected:
+            if job.state == RUNNING and job.index not in chosen:
                 out.append(Preempt(job.name, "tiresias: a job in a lower LAS queue needs the GPUs", now))
         taken: set[int] = set()
-        for job in active:
-            if job.index in selected and job.state != RUNNING:
+        for job in selected:
+            if job.state == PENDING:
+                if job.num_gpu > len(sim.idle) - len(taken):
+                    continue  # wait for the preempted jobs to release
                 gpus = pick_whole_gpus(sim, job.num_gpu, taken)
                 if gpus is None:
-                    continue  # wait for the preempted jobs to release
+                    continue
                 taken.update(gpus)
                 out.append(whole_gpu_grant(sim, job, gpus))
         return out
@@ -170,19 +205,21 @@ class TiresiasPolicy(_Base):
         now = sim.now
         best: float | None = None
         for job in sim.running.values():
-            if job.state != RUNNING or job.num_gpu == 0:
+            if job.state != RUNNING:
                 continue
             att = self._attained(job, now)
             q = bisect.bisect_right(self.thresholds, att)
             if q < len(self.thresholds):
                 t = now + (self.thresholds[q] - att) / job.num_gpu + EPS
                 best = t if best is None else min(best, t)
-        if self.starve_ratio > 0:
-            for job in sim.pending.values():
-                if job.last_run_s > 0:
-                    t = job.queued_since + self.starve_ratio * job.last_run_s
-                    if t > now:
-                        best = t if best is None else min(best, t)
+        while self._promo:
+            t, idx, since = self._promo[0]
+            job = sim.jobs[idx]
+            if job.state == PENDING and job.queued_since == since:
+                if t > now:
+                    best = t if best is None else min(best, t)
+                break
+            heapq.heappop(self._promo)
         return best
 
 
@@ -200,6 +237,11 @@ class BestFitPolicy(_Base):
     """
 
     name = "bestfit"
+    _min_fraction = 0.0
+
+    def bind(self, sim: Simulator) -> None:
+        self.sim = sim
+        self._min_fraction = min((j.fraction for j in sim.jobs), default=1.0) - EPS
 
     def slice_demand(self, job: SimJob) -> tuple[float, int]:
         if job.fraction >= 1.0:
@@ -213,8 +255,14 @@ class BestFitPolicy(_Base):
         extra_mem: dict[int, int] = {}
         pend = sorted(sim.pending.values(), key=lambda j: (-_prio_rank(j.tj.priority), j.queued_since, j.index))
         partial = [g for g in range(len(sim.gpus)) if sim.on_gpu[g] and sim.healthy[g] and sim.alloc_share[g] < 1 - EPS]
+        max_free = max((1.0 - sim.alloc_share[g] for g in partial), default=0.0)
         for job in pend:
+            idle_left = len(sim.idle) - len(taken)
+            if idle_left == 0 and max_free < self._min_fraction:
+                break  # nothing can fit any more
             if job.fraction >= 1.0:
+                if job.num_gpu > idle_left:
+                    continue
                 gpus = pick_whole_gpus(sim, job.num_gpu, taken)
                 if gpus is None:
                     continue
@@ -222,6 +270,8 @@ class BestFitPolicy(_Base):
                 out.append(whole_gpu_grant(sim, job, gpus))
                 continue
             share, mem = job.fraction, job.demand
+            if idle_left == 0 and share > max_free + EPS:
+                continue
             best = -1
             best_left = 2.0
             for g in partial:
@@ -239,6 +289,7 @@ class BestFitPolicy(_Base):
                 taken.add(best)
                 partial.append(best)
             extra_share[best] = extra_share.get(best, 0.0) + share
+            max_free = max(max_free, 1.0 - sim.alloc_share[best] - extra_share[best])
             extra_mem[best] = extra_mem.get(best, 0) + mem
             g = best
             out.append(

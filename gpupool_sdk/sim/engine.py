@@ -306,7 +306,8 @@ class Simulator:
         self._rng = random.Random(f"failures:{self.config.seed}")
         self.preemptions = self.failures = self.revokes = self.balloons = self.cycles = 0
         self.wake_at: float | None = None
-        self.on_change: Callable[[SimJob], None] | None = None
+        #: called with a job whenever its state, slices or directive change (policies keep indexes with it).
+        self.listeners: list[Callable[[SimJob], None]] = []
 
     # ------------------------------------------------------------------ events
 
@@ -419,8 +420,8 @@ class Simulator:
         self._changed(job)
 
     def _changed(self, job: SimJob) -> None:
-        if self.on_change is not None:
-            self.on_change(job)
+        for listener in self.listeners:
+            listener(job)
 
     def _stop(self, job: SimJob, lost_work: bool) -> None:
         """Take ``job`` off its GPUs and queue it again."""

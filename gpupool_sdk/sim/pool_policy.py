@@ -148,7 +148,7 @@ class PoolPolicy:
     def bind(self, sim: Simulator) -> None:
         self.sim = sim
         self._gpus = {g.uuid: g for g in sim.gpus}
-        sim.on_change = self._on_change
+        sim.listeners.append(self._on_change)
 
     def on_health_change(self, sim: Simulator, g: int) -> None:
         """Publish a failed or repaired GPU to the snapshot (an agent would)."""

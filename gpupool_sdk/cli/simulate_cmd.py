@@ -1,0 +1,101 @@
+"""``gpupool simulate``: replay a trace against the pool's scheduler and the baselines."""
+
+from __future__ import annotations
+
+import click
+
+from gpupool_sdk.cli.common import echo_json, output_option
+
+
+@click.command("simulate")
+@click.option("--trace", "trace_path", required=True, metavar="FILE",
+              help="CSV in the unified trace schema (a bare name is looked up in ../shared/traces).")
+@click.option("--cluster", required=True, metavar="SPEC",
+              help="Cluster in the agent's --simulate format; 'N*' repeats a node: '16*8xV100-32GB:nvlink'.")
+@click.option("--policy", "policies", multiple=True, default=("fifo", "tiresias", "gpupool"), show_default=True,
+              type=click.Choice(["fifo", "tiresias", "gpupool", "bestfit"]), help="Policy to run (repeat for several).")
+@output_option
+@click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Write the JCT CDF and utilization plot.")
+@click.option("--seed", default=0, show_default=True, help="Seeds duration draws, profiles and failures.")
+@click.option("--max-jobs", default=None, type=int, help="Keep only the first N GPU jobs by arrival.")
+@click.option("--time-scale", default=1.0, show_default=True, type=float,
+              help="Multiply arrival times (0.01 = arrivals 100x denser); durations are kept.")
+@click.option("--source", "sources", multiple=True, help="Keep rows whose source contains this (repeatable).")
+@click.option("--max-duration", default=None, type=float, metavar="SECONDS",
+              help="Clip run times (counted as censored).")
+@click.option("--censored", default="keep", show_default=True, type=click.Choice(["keep", "drop"]),
+              help="Rows still running at trace end: keep their observed run time, or drop them.")
+@click.option("--checkpoint-s", default=10.0, show_default=True, help="Preempt directive to ack (checkpoint write).")
+@click.option("--restart-s", default=20.0, show_default=True, help="Extra work after a preemption (restart).")
+@click.option("--failure-mtbf-h", default=None, type=float, help="Per-GPU mean time between failures (hours).")
+@click.option("--overcommit", default=1.5, show_default=True, help="gpupool: shared-class memory overcommit ratio.")
+@click.option("--untagged-qos", default="guaranteed", show_default=True,
+              type=click.Choice(["guaranteed", "shared", "exclusive"]), help="gpupool: QoS of rows without a class.")
+@click.option("--las", "las", default="", metavar="GPU_S[,GPU_S...]",
+              help="gpupool: least-attained-service queue thresholds (GPU-seconds); empty = off.")
+@click.option("--min-runtime-s", default=0.0, show_default=True, help="gpupool: minimum run time before preemption.")
+def simulate(
+    trace_path: str,
+    cluster: str,
+    policies: tuple[str, ...],
+    output: str,
+    plot_path: str | None,
+    seed: int,
+    max_jobs: int | None,
+    time_scale: float,
+    sources: tuple[str, ...],
+    max_duration: float | None,
+    censored: str,
+    checkpoint_s: float,
+    restart_s: float,
+    failure_mtbf_h: float | None,
+    overcommit: float,
+    untagged_qos: str,
+    las: str,
+    min_runtime_s: float,
+) -> None:
+    """Simulate a trace on a cluster under several policies and compare them to FIFO.
+
+    Example: gpupool simulate --trace tiresias_60job.csv --cluster "2*8xV100-32GB" --policy fifo --policy gpupool
+    """
+    from dataclasses import replace
+
+    from gpupool_sdk.errors import ConfigError
+    from gpupool_sdk.sim.engine import SimConfig
+    from gpupool_sdk.sim.pool_policy import PoolMapping
+    from gpupool_sdk.sim.runner import DEFAULT_POOL_CONFIG, render_table, run_simulation, write_plot
+    from gpupool_sdk.sim.trace import load_trace
+
+    try:
+        thresholds = tuple(float(x) for x in las.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError("--las", f"{las!r} is not a comma-separated list of GPU-seconds, e.g. 3600,36000") from None
+    trace = load_trace(
+        trace_path, seed=seed, max_jobs=max_jobs, time_scale=time_scale, censored=censored, sources=sources,
+        max_duration_s=max_duration,
+    )
+    sim_config = SimConfig(checkpoint_s=checkpoint_s, restart_s=restart_s, failure_mtbf_h=failure_mtbf_h, seed=seed)
+    pool_config = replace(
+        DEFAULT_POOL_CONFIG, overcommit_ratio=overcommit, las_threshold_gpu_s=thresholds, min_runtime_s=min_runtime_s
+    )
+    mapping = PoolMapping(untagged_qos=untagged_qos, preempt_grace_s=max(60.0, 2 * checkpoint_s))
+    report = run_simulation(
+        trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed
+    )
+    if plot_path:
+        write_plot(report, plot_path)
+    if output == "json":
+        echo_json(report.to_json())
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(render_table(report))
+    stats = report.trace_stats
+    console.print(
+        f"trace: {stats['rows']} rows, {stats['jobs']} GPU jobs, {stats['skipped_cpu_only']} CPU-only skipped, "
+        f"{stats['censored']} right-censored, {stats['durations_sampled']} durations drawn, "
+        f"{stats['durations_from_application']} from the application table"
+    )
+    if plot_path:
+        console.print(f"plot written to {plot_path}")
