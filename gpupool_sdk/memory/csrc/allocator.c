@@ -537,16 +537,24 @@ static int event_done(gp_alloc *a, const Pending *pe, int wait) {
 }
 
 static int load_cudart(gp_alloc *a, const char *path) {
-  const char *names[] = {path, "libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", NULL};
-  for (int i = 0; i < 5 && !a->cu.lib; i++) {
-    if (!names[i] || !names[i][0]) continue;
-    a->cu.lib = dlopen(names[i], RTLD_NOW | RTLD_GLOBAL);
-  }
-  if (!a->cu.lib) {
-    set_err(a, "could not dlopen libcudart (tried %s, libcudart.so, libcudart.so.13/.12/.11.0); "
-               "set GPUPOOL_CUDART_PATH to the library's path",
-            path && path[0] ? path : "no explicit path");
-    return -1;
+  if (path && path[0]) {
+    /* An explicit path is used alone: silently loading another runtime would hide the mistake. */
+    a->cu.lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (!a->cu.lib) {
+      const char *why = dlerror();
+      snprintf(a->err, sizeof(a->err), "could not dlopen libcudart at %s (%s); fix GPUPOOL_CUDART_PATH", path,
+               why ? why : "unknown error");
+      return -1;
+    }
+  } else {
+    const char *names[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"};
+    for (int i = 0; i < 4 && !a->cu.lib; i++) a->cu.lib = dlopen(names[i], RTLD_NOW | RTLD_GLOBAL);
+    if (!a->cu.lib) {
+      set_err(a, "could not dlopen libcudart (tried libcudart.so, .so.13, .so.12, .so.11.0)%s; install the CUDA "
+                 "runtime or set GPUPOOL_CUDART_PATH to the library's path",
+              NULL);
+      return -1;
+    }
   }
 #define SYM(field, name, type)                                   \
   a->cu.field = (type)dlsym(a->cu.lib, name);                     \
