@@ -54,6 +54,15 @@ def _ago(now: float, t: float | None) -> str:
     return f"{s / 3600:.1f}h"
 
 
+def _intent(body: Any) -> dict[str, Any]:
+    return {k: body.get(k) for k in ("reason", "by", "at")} if isinstance(body, dict) else {}
+
+
+def _why(body: Any) -> str:
+    reason = body.get("reason") if isinstance(body, dict) else None
+    return f" ({reason})" if reason else ""
+
+
 def status_dict(state: PoolState) -> dict[str, Any]:
     """The pool as a JSON-ready mapping (what ``-o json`` prints)."""
     snap = state.snapshot
@@ -145,6 +154,10 @@ def status_dict(state: PoolState) -> dict[str, Any]:
         "orphan_allocations": orphans,
         "cordoned": sorted(snap.cordoned),
         "draining": sorted(snap.draining),
+        "intents": {
+            "cordons": {k: _intent(v) for k, v in sorted(state.cordons.items())},
+            "drains": {k: _intent(v) for k, v in sorted(state.drains.items())},
+        },
         "problems": [{"key": p.key, "message": p.message} for p in state.problems],
     }
 
@@ -165,7 +178,10 @@ def render(state: PoolState, endpoint: str) -> Group:
     for c in ("NODE", "BACKEND", "GPUS", "HOST", "STATE"):
         nodes.add_column(c)
     for n in d["nodes"]:
-        state_txt = "draining" if n["draining"] else ("ready" if n["present"] else "no agent")
+        if n["draining"]:
+            state_txt = "draining" + _why(d["intents"]["drains"].get(n["name"]))
+        else:
+            state_txt = "ready" if n["present"] else "no agent"
         nodes.add_row(n["name"], n["backend"] or "-", str(n["gpus"]), n["hostname"] or "-", state_txt)
     parts.append(nodes if d["nodes"] else Text("no nodes: start `gpupool agent` on each GPU machine", "yellow"))
 
@@ -174,7 +190,10 @@ def render(state: PoolState, endpoint: str) -> Group:
         gpus.add_column(c)
     for g in d["gpus"]:
         health = "ok" if g["healthy"] else "UNHEALTHY: " + "; ".join(g["health_reasons"])
-        sched = "cordoned" if g["cordoned"] else ("draining" if g["draining"] else "")
+        if g["cordoned"]:
+            sched = "cordoned" + _why(d["intents"]["cordons"].get(g["uuid"]))
+        else:
+            sched = "draining" + _why(d["intents"]["drains"].get(g["node"])) if g["draining"] else ""
         gpus.add_row(
             g["node"], str(g["index"]), g["uuid"], g["model"], format_size(g["memory_bytes"]),
             format_size(g["used_memory_bytes"]), ",".join(g["jobs"]) or "-", health, sched,

@@ -83,6 +83,8 @@ class PoolState:
         allocations: every valid allocation, including orphans whose job has no spec.
         resumes: every ``checkpoints/{job}`` record.
         usage: raw ``usage/{job}`` bodies.
+        cordons: operator intent bodies by GPU UUID (reason, by, at), ``{}`` when unreadable.
+        drains: operator intent bodies by node.
         problems: keys that could not be used, with the reason.
     """
 
@@ -95,6 +97,8 @@ class PoolState:
     allocations: tuple[Allocation, ...] = ()
     resumes: Mapping[str, ResumeRecord] = field(default_factory=dict)
     usage: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    cordons: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    drains: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     problems: tuple[Problem, ...] = ()
 
 
@@ -190,6 +194,8 @@ def build_state(
     telemetry: dict[str, Mapping[str, Any]] = {}
     resumes: dict[str, ResumeRecord] = {}
     usage: dict[str, Mapping[str, Any]] = {}
+    cordons: dict[str, Mapping[str, Any]] = {}
+    drains: dict[str, Mapping[str, Any]] = {}
     leader: LeaderRecord | None = None
     leader_rev = 0
 
@@ -219,10 +225,13 @@ def build_state(
                 gpus[g.uuid] = g
             elif kind == "nodes":
                 nodes[parts[0]] = parse(kv, NodeInfo)
-            elif kind == "cordons":
-                cordoned.add(parts[0])  # the key's presence is the intent; its value is informative only
-            elif kind == "drains":
-                draining.add(parts[0])
+            elif kind in ("cordons", "drains"):
+                # The key's presence is the intent; its value (reason, who, when) is informative only.
+                (cordoned if kind == "cordons" else draining).add(parts[0])
+                try:
+                    (cordons if kind == "cordons" else drains)[parts[0]] = parse_dict(kv)
+                except SchemaError:
+                    (cordons if kind == "cordons" else drains)[parts[0]] = {}
             elif kind == "jobs.spec":
                 spec = parse(kv, JobSpec)
                 if spec.name != parts[0]:
@@ -322,5 +331,7 @@ def build_state(
         allocations=tuple(allocations),
         resumes=resumes,
         usage=usage,
+        cordons=cordons,
+        drains=drains,
         problems=tuple(problems),
     )

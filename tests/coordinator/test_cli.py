@@ -112,6 +112,8 @@ def test_cordon_and_uncordon(store: EtcdStore, gpupool: Run) -> None:
     assert json.loads(gpupool("cordon", uuids[1], "-o", "json").stdout)["changed"] is False
     status = json.loads(gpupool("status", "-o", "json").stdout)
     assert [g["cordoned"] for g in status["gpus"]] == [False, True]
+    assert status["intents"]["cordons"][uuids[1]]["reason"] == "ECC noise"
+    assert "ECC noise" in gpupool("status").stdout
     r = gpupool("uncordon", uuids[1])
     assert r.returncode == 0 and "uncordoned" in r.stdout
     assert store.get(store.keys.cordon(uuids[1])) is None
