@@ -67,6 +67,12 @@ class GpuLoad:
             return 0.0
         return ratio * self.phys - self.reserved - self.shared_quota
 
+    def copy(self) -> GpuLoad:
+        """An independent copy (for what-if computations)."""
+        return GpuLoad(
+            self.phys, self.reserved, self.compute, self.shared_quota, self.shared_peak, self.exclusive, self.slices
+        )
+
     def add(self, qos: QoS, memory: int, compute: float, peak: int) -> None:
         """Commit one slice."""
         self.slices += 1

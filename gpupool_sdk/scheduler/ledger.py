@@ -9,9 +9,10 @@ Indexes kept up to date on every change, so that placement never scans the whole
 
 * GPUs are grouped in *classes* of identical static properties (model, features, memory); a job
   resolves which classes match once.
-* Per class, three sorted lists of ``(key, gpu)``: idle GPUs by physical memory, partly used
-  GPUs by free guaranteed memory, and partly used GPUs by shared headroom. Best fit is a
-  bisection followed by a short forward scan.
+* Per class, sorted lists of ``(key, gpu)``: idle GPUs by physical memory; partly used GPUs
+  by free guaranteed memory, one list per free-compute bucket; and partly used GPUs by shared
+  room (the smaller of quota headroom and predicted-peak room). Best fit is a bisection
+  followed by a short forward scan.
 * Per anti-affinity group, the nodes its live members occupy.
 * GPUs reserved for a blocked job (backfill only elsewhere).
 """
@@ -25,9 +26,29 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gpupool_sdk.resources import GpuInfo, QoS
-from gpupool_sdk.scheduler.filter import GpuLoad, SliceRequest, fits, matches_static
+from gpupool_sdk.scheduler.filter import COMPUTE_EPS, GpuLoad, SliceRequest, fits, matches_static
 
 _ClassKey = tuple[str, tuple[str, ...], int]
+
+#: lower bounds of the free-compute buckets of partly used GPUs (a GPU sits in the first bucket it reaches).
+COMPUTE_BUCKETS = (1.0, 0.75, 0.5, 0.25, 0.0)
+
+
+def _bucket(free_compute: float) -> int:
+    for b, floor in enumerate(COMPUTE_BUCKETS):
+        if free_compute >= floor - COMPUTE_EPS:
+            return b
+    return len(COMPUTE_BUCKETS) - 1
+
+
+def _buckets_for(compute: float) -> list[int]:
+    """Buckets that may hold a GPU with ``compute`` free: those whose floor reaches it, plus the next one."""
+    out = []
+    for b, floor in enumerate(COMPUTE_BUCKETS):
+        out.append(b)
+        if floor < compute - COMPUTE_EPS:
+            break
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,15 +63,17 @@ class Holding:
 
 
 class _ClassIndex:
-    __slots__ = ("features", "model", "phys", "empty", "part_g", "part_s")
+    __slots__ = ("features", "model", "phys", "empty", "part_g", "part_s", "max_island")
 
     def __init__(self, model: str, features: tuple[str, ...], phys: int) -> None:
         self.model = model
         self.features = features
         self.phys = phys
         self.empty: list[tuple[float, int]] = []
-        self.part_g: list[tuple[float, int]] = []
+        # Partly used GPUs by free guaranteed memory, one list per free-compute bucket (COMPUTE_BUCKETS).
+        self.part_g: list[list[tuple[float, int]]] = [[] for _ in COMPUTE_BUCKETS]
         self.part_s: list[tuple[float, int]] = []
+        self.max_island = 0
 
 
 class Ledger:
@@ -71,6 +94,9 @@ class Ledger:
         self.schedulable: list[bool] = [g.uuid in ok for g in self.gpus]
         self.nodes: list[str] = [g.node for g in self.gpus]
         self.islands: list[int | None] = [g.nvlink_island for g in self.gpus]
+        sizes = Counter((g.node, g.nvlink_island) for g in self.gpus if g.nvlink_island is not None)
+        #: the largest NVLink island of the pool (a pack gang larger than this needs a node or more).
+        self.max_island = max(sizes.values(), default=0)
         self.holdings: dict[str, list[Holding]] = {}
         self.groups: dict[str, Counter[str]] = {}
         self.group_of: dict[str, str] = {}
@@ -81,6 +107,7 @@ class Ledger:
         self._class_of: list[_ClassIndex | None] = []
         self._key_empty: list[tuple[float, int] | None] = [None] * len(self.gpus)
         self._key_g: list[tuple[float, int] | None] = [None] * len(self.gpus)
+        self._bucket_g: list[int] = [0] * len(self.gpus)
         self._key_s: list[tuple[float, int] | None] = [None] * len(self.gpus)
         self._match_cache: dict[tuple[tuple[str, ...], str | None], list[_ClassIndex]] = {}
         for i, g in enumerate(self.gpus):
@@ -97,6 +124,10 @@ class Ledger:
             self._key_empty[i] = k
         for cls in self._classes.values():
             cls.empty.sort()
+        for i, g in enumerate(self.gpus):
+            c = self._class_of[i]
+            if c is not None and g.nvlink_island is not None:
+                c.max_island = max(c.max_island, sizes[(g.node, g.nvlink_island)])
 
     # ------------------------------------------------------------------ accounting
 
@@ -194,15 +225,20 @@ class Ledger:
             if self.schedulable[i] and matches_static(g, req.features, req.gpu_model)
         )
 
-    def candidates(self, req: SliceRequest, avoid_nodes: Iterable[str] = ()) -> Iterator[int]:
+    def candidates(
+        self, req: SliceRequest, avoid_nodes: Iterable[str] = (), min_island: int = 0
+    ) -> Iterator[int]:
         """GPUs that can take one slice of ``req`` now, best fit first.
 
         Order: partly used GPUs by least leftover (memory for guaranteed, quota headroom for
         shared), then idle GPUs by smallest memory, ties by node and index. Exclusive jobs only
         see idle GPUs, so whole GPUs stay whole for them. GPUs reserved for another job and nodes
-        of the job's anti-affinity group (and ``avoid_nodes``) are skipped.
+        of the job's anti-affinity group (and ``avoid_nodes``) are skipped. ``min_island`` > 0
+        restricts the search to classes that have NVLink islands of at least that size.
         """
         classes = self.matching_classes(req.features, req.gpu_model)
+        if min_island:
+            classes = [c for c in classes if c.max_island >= min_island]
         if not classes:
             return
         avoid = set(avoid_nodes)
@@ -218,12 +254,13 @@ class Ledger:
             need_part = 0.0
             need_empty = float(req.memory)
         elif req.qos is QoS.GUARANTEED:
-            partial_lists = [c.part_g for c in classes]
+            wanted = _buckets_for(req.compute)
+            partial_lists = [c.part_g[b] for c in classes for b in wanted]
             need_part = float(req.memory)
             need_empty = float(req.memory)
         else:
             partial_lists = [c.part_s for c in classes]
-            need_part = float(req.memory)
+            need_part = float(req.peak)
             need_empty = max(req.memory / ratio, float(req.peak))
         for stream in (
             _merged(partial_lists, need_part),
@@ -251,7 +288,7 @@ class Ledger:
             self._key_empty[i] = None
         old = self._key_g[i]
         if old is not None:
-            _remove(cls.part_g, old)
+            _remove(cls.part_g[self._bucket_g[i]], old)
             self._key_g[i] = None
         old = self._key_s[i]
         if old is not None:
@@ -262,10 +299,14 @@ class Ledger:
             bisect.insort(cls.empty, k)
             self._key_empty[i] = k
         elif not load.exclusive:
-            kg = (float(load.free_guaranteed), i)
-            bisect.insort(cls.part_g, kg)
-            self._key_g[i] = kg
-            ks = (float(load.shared_headroom(self.ratio)), i)
+            if load.compute < 1.0 - COMPUTE_EPS:  # no guaranteed slice fits where compute is all taken
+                kg = (float(load.free_guaranteed), i)
+                b = self._bucket_g[i] = _bucket(1.0 - load.compute)
+                bisect.insort(cls.part_g[b], kg)
+                self._key_g[i] = kg
+            # Shared fit needs headroom >= quota and peak room >= predicted peak (<= quota): keyed
+            # by the smaller of the two, a bisection at the predicted peak is exact when peaks are unknown.
+            ks = (float(min(load.shared_headroom(self.ratio), load.phys - load.reserved - load.shared_peak)), i)
             bisect.insort(cls.part_s, ks)
             self._key_s[i] = ks
 

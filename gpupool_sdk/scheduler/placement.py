@@ -39,7 +39,27 @@ def place(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str] = ()) ->
             if len(chosen) == count:
                 return chosen
         return chosen if len(chosen) >= req.min_count else None
+    if 1 < count <= ledger.max_island:
+        # First pass: only GPUs of classes with large enough islands, stop at the first full island.
+        island = _island(ledger, ledger.candidates(req, avoid_nodes, min_island=count), count)
+        if island is not None:
+            return island
     return _pack(ledger, cands, count, req.min_count)
+
+
+def _island(ledger: Ledger, cands: Iterable[int], count: int) -> list[int] | None:
+    nodes = ledger.nodes
+    islands = ledger.islands
+    by_island: dict[tuple[str, int], list[int]] = {}
+    for i in cands:
+        island = islands[i]
+        if island is None:
+            continue
+        members = by_island.setdefault((nodes[i], island), [])
+        members.append(i)
+        if len(members) == count:
+            return members
+    return None
 
 
 def _first(cands: Iterable[int]) -> list[int] | None:
@@ -65,24 +85,12 @@ def _spread(ledger: Ledger, cands: Iterable[int], count: int, min_count: int) ->
 
 def _pack(ledger: Ledger, cands: Iterable[int], count: int, min_count: int) -> list[int] | None:
     nodes = ledger.nodes
-    islands = ledger.islands
-    by_island: dict[tuple[str, int], list[int]] = {}
     by_node: dict[str, list[int]] = {}
-    first_full_node: str | None = None
     for i in cands:
-        node = nodes[i]
-        island = islands[i]
-        if island is not None:
-            members = by_island.setdefault((node, island), [])
-            members.append(i)
-            if len(members) == count:
-                return members
-        on_node = by_node.setdefault(node, [])
+        on_node = by_node.setdefault(nodes[i], [])
         on_node.append(i)
-        if first_full_node is None and len(on_node) == count:
-            first_full_node = node
-    if first_full_node is not None:
-        return by_node[first_full_node][:count]
+        if len(on_node) == count:
+            return on_node
     # Fewest nodes: nodes with the most candidates first (ties in best-fit order of first sight).
     ranked = sorted(by_node.values(), key=lambda lst: -len(lst))
     chosen: list[int] = []

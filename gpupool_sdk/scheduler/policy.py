@@ -28,11 +28,12 @@ from gpupool_sdk.scheduler.ledger import Holding, Ledger
 from gpupool_sdk.scheduler.ordering import effective_priority, order_pending, waited_s
 from gpupool_sdk.scheduler.placement import holdings_for, place
 from gpupool_sdk.scheduler.preempt import (
+    Plan,
     balloon_targets,
-    eligible_victims,
     plan_balloon,
     plan_from_freeing,
     plan_preemption,
+    victim_pool,
 )
 from gpupool_sdk.scheduler.protocol import freeing_for, handle_protocol, preempt_deadline
 from gpupool_sdk.scheduler.reject import reject_reason, summarize
@@ -93,6 +94,10 @@ class _Cycle:
     preempting: dict[str, str | None] = field(default_factory=dict)
     ballooning: dict[str, tuple[int, str | None]] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)
+    attempts: int = 0
+    victims: list[tuple[str, int]] | None = None
+    balloonable: dict[str, int] | None = None
+    no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -213,88 +218,117 @@ class Scheduler:
             return
         prio = effective_priority(view, now, config)
 
-        # 1. Capacity already being freed for this job (or for nobody in particular).
+        # 1. Capacity already being freed for this job (or for nobody in particular): wait for it.
         if cyc.preempting or cyc.ballooning:
-            pre = [
-                n for n, who in cyc.preempting.items() if (who is None or who == view.name) and n not in cyc.claimed
-            ]
-            bal = {
-                n: t for n, (t, who) in cyc.ballooning.items() if (who is None or who == view.name) and n not in cyc.claimed
-            }
-            plan = plan_from_freeing(ledger, req, sorted(pre), bal)
+            plan = self._plan_waiting(cyc, view, req)
             if plan is not None:
                 cyc.claimed.update(plan.jobs)
+                ledger.block(plan.gpus, view.name)
                 self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'release')} of {', '.join(plan.jobs)}")
                 return
 
-        # 2. Balloon shared jobs down to their predicted peaks.
-        if config.allow_preemption and cyc.actions < config.max_decisions:
-            targets = balloon_targets(
-                (v for v in cyc.snapshot.jobs.values() if v.name not in cyc.claimed), prio, config, cyc.busy
-            )
-            plan = plan_balloon(ledger, req, targets) if targets else None
-            if plan is not None:
-                for name, target in zip(plan.jobs, plan.targets, strict=True):
-                    cyc.decisions.append(
-                        Balloon(
-                            name,
-                            target,
-                            f"shrink to predicted peak {format_size(target)} per slice to make room for {view.name}",
-                            deadline=now + config.balloon_grace_s,
-                            for_job=view.name,
-                        )
-                    )
-                    cyc.busy.add(name)
-                    cyc.claimed.add(name)
-                    cyc.ballooning[name] = (target, view.name)
-                    cyc.actions += 1
-                self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'balloon')} of {', '.join(plan.jobs)}")
+        # 2-3. Balloon shared jobs down to their predicted peaks, else preempt lower-priority jobs.
+        if (
+            config.allow_preemption
+            and cyc.actions < config.max_decisions
+            and cyc.attempts < config.max_preemption_attempts
+        ):
+            try_balloon = _worth_trying(cyc.no_balloon.get(shape), ledger.frees, prio)
+            try_preempt = _worth_trying(cyc.no_preempt.get(shape), ledger.frees, prio)
+            if try_balloon or try_preempt:
+                cyc.attempts += 1
+            if try_balloon and self._try_balloon(cyc, view, req, prio):
                 return
-
-        # 3. Preempt lower-priority jobs.
-        if config.allow_preemption and cyc.actions < config.max_decisions:
-            known = cyc.no_preempt.get(shape)
-            if known is None or known[0] != ledger.frees or prio > known[1]:
-                victims = eligible_victims(cyc.snapshot.jobs.values(), prio, now, config, cyc.busy, ledger)
-                plan = plan_preemption(ledger, req, victims) if victims else None
-                if plan is not None:
-                    for name in plan.jobs:
-                        victim = cyc.snapshot.jobs[name]
-                        cyc.decisions.append(
-                            Preempt(
-                                name,
-                                f"preempted to make room for {view.name} (priority {view.spec.priority}, "
-                                f"effective {prio:.1f}) over {name} (priority {victim.spec.priority})",
-                                deadline=preempt_deadline(victim, now, config),
-                                for_job=view.name,
-                            )
-                        )
-                        cyc.busy.add(name)
-                        cyc.claimed.add(name)
-                        cyc.preempting[name] = view.name
-                        cyc.actions += 1
-                    # Nobody else may take the room being made for this job.
-                    ledger.block(plan.gpus, view.name)
-                    self._queue(
-                        cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'preemption')} of {', '.join(plan.jobs)}"
-                    )
-                    return
-                cyc.no_preempt[shape] = (ledger.frees, max(prio, known[1]) if known and known[0] == ledger.frees else prio)
+            if try_balloon:
+                cyc.no_balloon[shape] = _failed(cyc.no_balloon.get(shape), ledger.frees, prio)
+            if try_preempt and self._try_preempt(cyc, view, req, prio):
+                return
+            if try_preempt:
+                cyc.no_preempt[shape] = _failed(cyc.no_preempt.get(shape), ledger.frees, prio)
 
         reason = self._why(cyc, req) if cached is None or cached[0] != ledger.frees else cached[1]
         cyc.fail_cache[shape] = (ledger.frees, reason)
 
         # 4. Reserve GPUs for a job blocked for long: lower jobs only backfill elsewhere.
-        if (
-            cyc.reservations < config.max_reservations
-            and waited_s(view, now) >= config.reserve_after_s
-        ):
+        if cyc.reservations < config.max_reservations and waited_s(view, now) >= config.reserve_after_s:
             hold = self._reservation(cyc, view, req, prio)
             if hold:
                 ledger.block(hold, view.name)
                 cyc.reservations += 1
                 reason += f"; {_count(len(hold), 'GPU')} reserved for it (others backfill elsewhere)"
         self._queue(cyc, view, reason)
+
+    def _plan_waiting(self, cyc: _Cycle, view: JobView, req: SliceRequest) -> Plan | None:
+        pre = sorted(
+            n for n, who in cyc.preempting.items() if (who is None or who == view.name) and n not in cyc.claimed
+        )
+        bal = {
+            n: t for n, (t, who) in cyc.ballooning.items() if (who is None or who == view.name) and n not in cyc.claimed
+        }
+        if not pre and not bal:
+            return None
+        return plan_from_freeing(cyc.ledger, req, pre, bal)
+
+    def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
+        if cyc.balloonable is None:
+            cyc.balloonable = balloon_targets(cyc.snapshot.jobs.values(), float("inf"), cyc.config, cyc.busy)
+        jobs = cyc.snapshot.jobs
+        targets = {
+            n: t
+            for n, t in cyc.balloonable.items()
+            if n not in cyc.claimed and n not in cyc.busy and jobs[n].spec.priority <= prio
+        }
+        plan = plan_balloon(cyc.ledger, req, targets) if targets else None
+        if plan is None:
+            return False
+        now = cyc.snapshot.now
+        for name, target in zip(plan.jobs, plan.targets, strict=True):
+            cyc.decisions.append(
+                Balloon(
+                    name,
+                    target,
+                    f"shrink to predicted peak {format_size(target)} per slice to make room for {view.name}",
+                    deadline=now + cyc.config.balloon_grace_s,
+                    for_job=view.name,
+                )
+            )
+            cyc.busy.add(name)
+            cyc.claimed.add(name)
+            cyc.ballooning[name] = (target, view.name)
+            cyc.actions += 1
+        cyc.ledger.block(plan.gpus, view.name)
+        self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'balloon')} of {', '.join(plan.jobs)}")
+        return True
+
+    def _try_preempt(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
+        now = cyc.snapshot.now
+        if cyc.victims is None:
+            pool = victim_pool(cyc.snapshot.jobs.values(), now, cyc.config, cyc.ledger)
+            cyc.victims = [(v.name, v.spec.priority) for v in pool]
+        busy = cyc.busy
+        victims = [n for n, p in cyc.victims if p < prio and n not in busy]
+        plan = plan_preemption(cyc.ledger, req, victims) if victims else None
+        if plan is None:
+            return False
+        for name in plan.jobs:
+            victim = cyc.snapshot.jobs[name]
+            cyc.decisions.append(
+                Preempt(
+                    name,
+                    f"preempted to make room for {view.name} (priority {view.spec.priority}, "
+                    f"effective {prio:.1f}); {name} has priority {victim.spec.priority}",
+                    deadline=preempt_deadline(victim, now, cyc.config),
+                    for_job=view.name,
+                )
+            )
+            cyc.busy.add(name)
+            cyc.claimed.add(name)
+            cyc.preempting[name] = view.name
+            cyc.actions += 1
+        # Nobody else may take the room being made for this job.
+        cyc.ledger.block(plan.gpus, view.name)
+        self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'preemption')} of {', '.join(plan.jobs)}")
+        return True
 
     def _grant(self, cyc: _Cycle, view: JobView, req: SliceRequest, gpus: list[int]) -> None:
         ledger = cyc.ledger
@@ -419,6 +453,18 @@ class Scheduler:
             )
             cyc.busy.add(view.name)
             cyc.actions += 1
+
+
+def _worth_trying(known: tuple[int, float] | None, frees: int, prio: float) -> bool:
+    """A balloon / preemption search failed for this shape at ``known`` = (frees, priority): only a
+    higher priority, or capacity freed since, can change the answer."""
+    return known is None or known[0] != frees or prio > known[1]
+
+
+def _failed(known: tuple[int, float] | None, frees: int, prio: float) -> tuple[int, float]:
+    if known is not None and known[0] == frees:
+        return (frees, max(prio, known[1]))
+    return (frees, prio)
 
 
 def _count(n: int, noun: str) -> str:

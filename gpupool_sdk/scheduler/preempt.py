@@ -18,11 +18,12 @@ was before the function returns.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from gpupool_sdk.resources import JobState, QoS
-from gpupool_sdk.scheduler.filter import SliceRequest, predicted_peak
+from gpupool_sdk.scheduler.filter import GpuLoad, SliceRequest, fits, predicted_peak
 from gpupool_sdk.scheduler.ledger import Holding, Ledger
 from gpupool_sdk.scheduler.placement import place
 from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
@@ -68,23 +69,13 @@ def victim_key(view: JobView, now: float) -> tuple[int, int, float, int, str]:
     return (view.spec.qos_class.rank, view.spec.priority, work_lost_s(view, now), -view.order, view.name)
 
 
-def eligible_victims(
-    jobs: Iterable[JobView],
-    priority: float,
-    now: float,
-    config: SchedulerConfig,
-    busy: Iterable[str] = (),
-    ledger: Ledger | None = None,
-) -> list[JobView]:
-    """GRANTED jobs that may be preempted for a job of effective ``priority``, in victim order."""
-    busy_set = set(busy)
+def victim_pool(jobs: Iterable[JobView], now: float, config: SchedulerConfig, ledger: Ledger | None = None) -> list[JobView]:
+    """Every job that could be a victim of someone this cycle, in victim order (priority not yet applied)."""
     out = [
         v
         for v in jobs
         if v.state is JobState.GRANTED
         and v.directive is None
-        and v.name not in busy_set
-        and v.spec.priority < priority
         and not is_protected(v, now, config)
         and (ledger is None or ledger.holdings.get(v.name))
     ]
@@ -92,21 +83,50 @@ def eligible_victims(
     return out
 
 
-def plan_preemption(ledger: Ledger, req: SliceRequest, victims: Sequence[JobView]) -> Plan | None:
-    """The smallest victim set (greedy in the given order, then pruned) after which ``req`` fits."""
-    relevant = _touching(ledger, req, [v.name for v in victims])
-    if not relevant:
-        return None
+def eligible_victims(
+    jobs: Iterable[JobView],
+    priority: float,
+    now: float,
+    config: SchedulerConfig,
+    busy: Iterable[str] = (),
+    ledger: Ledger | None = None,
+    pool: Sequence[JobView] | None = None,
+) -> list[JobView]:
+    """GRANTED jobs that may be preempted for a job of effective ``priority``, in victim order.
+
+    ``pool`` (from :func:`victim_pool`) saves re-sorting every job for every pending job.
+    """
+    busy_set = busy if isinstance(busy, (set, frozenset)) else set(busy)
+    base = pool if pool is not None else victim_pool(jobs, now, config, ledger)
+    return [v for v in base if v.spec.priority < priority and v.name not in busy_set]
+
+
+def plan_preemption(ledger: Ledger, req: SliceRequest, victims: Sequence[str]) -> Plan | None:
+    """The smallest victim set after which ``req`` fits (``victims``: job names in victim order).
+
+    For each GPU that matches ``req``, the shortest prefix (in victim order) of the victims on
+    it that lets one slice fit there is computed on a copy of its load; GPUs are ranked by the
+    least protected such prefix (its last victim's place in victim order, then its length).
+    Victims of the best GPUs are then freed in the ledger in doubling batches of GPUs until the
+    job can be placed (topology included), and the set is pruned to the victims the placement
+    needs.
+    """
+    groups = _completion_groups(ledger, req, victims, None)
     removed: list[tuple[str, list[Holding]]] = []
+    gone: set[str] = set()
     gpus: list[int] | None = None
-    batch = 1
-    pos = 0
+    frees = ledger.frees
+    batch = max(1, req.min_count)
     try:
-        # Free victims in doubling batches: few placement attempts even with many candidates.
-        while pos < len(relevant):
-            for name in relevant[pos : pos + batch]:
-                removed.append((name, ledger.unreserve(name)))
-            pos += batch
+        while True:
+            got = list(islice(groups, batch))
+            if not got:
+                break
+            for names in got:
+                for name in names:
+                    if name not in gone:
+                        gone.add(name)
+                        removed.append((name, ledger.unreserve(name)))
             batch *= 2
             gpus = place(ledger, req)
             if gpus is not None:
@@ -123,6 +143,55 @@ def plan_preemption(ledger: Ledger, req: SliceRequest, victims: Sequence[JobView
             if name in ledger.holdings:
                 continue
             ledger.restore(name, held)
+        ledger.frees = frees
+
+
+def _completion_groups(
+    ledger: Ledger, req: SliceRequest, names: Sequence[str], targets: dict[str, int] | None
+) -> Iterator[list[str]]:
+    """Walk ``names`` in order, applying each one's change (removal, or shrink to ``targets[name]``)
+    to working copies of the loads of the GPUs it holds; yield, for each GPU at the moment one
+    slice of ``req`` first fits there, the names applied on that GPU so far.
+
+    GPUs therefore come out cheapest first: the one whose needed prefix ends earliest in
+    ``names``. GPUs reserved for another job, outside ``req``'s classes or on nodes of its
+    anti-affinity group are skipped.
+    """
+    classes = {id(c) for c in ledger.matching_classes(req.features, req.gpu_model)}
+    avoid: set[str] = set()
+    if req.anti_affinity is not None:
+        avoid = {n for n, c in ledger.groups.get(req.anti_affinity, {}).items() if c > 0}
+    work: dict[int, GpuLoad] = {}
+    taken: dict[int, list[str]] = {}
+    done: set[int] = set()
+    ratio = ledger.ratio
+    for name in names:
+        for h in ledger.holdings.get(name, ()):
+            gpu = h.gpu
+            if gpu in done:
+                continue
+            cls = ledger.class_of(gpu)
+            if cls is None or id(cls) not in classes:
+                continue
+            holder = ledger.blocked.get(gpu)
+            if holder is not None and holder != req.job:
+                continue
+            if avoid and ledger.nodes[gpu] in avoid:
+                continue
+            load = work.get(gpu)
+            if load is None:
+                load = work[gpu] = ledger.loads[gpu].copy()
+                taken[gpu] = []
+            load.remove(h.qos, h.memory, h.compute, h.peak)
+            if targets is not None:
+                t = targets[name]
+                load.add(h.qos, t, h.compute, min(t, h.peak))
+            lst = taken[gpu]
+            if not lst or lst[-1] != name:
+                lst.append(name)
+            if fits(load, req, ratio):
+                done.add(gpu)
+                yield lst
 
 
 def _prune(ledger: Ledger, req: SliceRequest, removed: list[tuple[str, list[Holding]]], gpus: list[int]) -> list[str]:
@@ -163,20 +232,32 @@ def balloon_targets(views: Iterable[JobView], priority: float, config: Scheduler
 
 
 def plan_balloon(ledger: Ledger, req: SliceRequest, targets: dict[str, int]) -> Plan | None:
-    """Shrink shared jobs to their targets if that alone makes ``req`` fit; only the needed ones."""
-    names = _touching(ledger, req, sorted(targets))
-    if not names:
-        return None
+    """Shrink shared jobs to their targets if that alone makes ``req`` fit; only the needed ones.
+
+    Candidates are tried GPU by GPU (cheapest first, see :func:`_completion_groups`) in doubling
+    batches, like victims.
+    """
+    groups = _completion_groups(ledger, req, sorted(targets), targets)
     old: dict[str, list[Holding]] = {}
+    frees = ledger.frees
+    batch = max(1, req.min_count)
+    gpus: list[int] | None = None
     try:
-        for name in names:
-            old[name] = ledger.set_quota(name, targets[name], targets[name])
-        gpus = place(ledger, req)
-        if gpus is None:
-            return None
+        while True:
+            got = list(islice(groups, batch))
+            if not got:
+                return None
+            for names in got:
+                for name in names:
+                    if name not in old:
+                        old[name] = ledger.set_quota(name, targets[name], targets[name])
+            batch *= 2
+            gpus = place(ledger, req)
+            if gpus is not None:
+                break
         used = set(gpus)
-        needed = [n for n in names if any(h.gpu in used for h in old[n])]
-        for n in names:
+        needed = sorted(n for n in old if any(h.gpu in used for h in old[n]))
+        for n in sorted(old):
             if n not in needed:
                 ledger.replace(n, old.pop(n))
         final = place(ledger, req)
@@ -186,6 +267,7 @@ def plan_balloon(ledger: Ledger, req: SliceRequest, targets: dict[str, int]) -> 
     finally:
         for name, held in old.items():
             ledger.replace(name, held)
+        ledger.frees = frees
 
 
 def plan_from_freeing(
@@ -198,6 +280,7 @@ def plan_from_freeing(
         return None
     removed: list[tuple[str, list[Holding]]] = []
     shrunk: dict[str, list[Holding]] = {}
+    frees = ledger.frees
     try:
         for name in pre:
             removed.append((name, ledger.unreserve(name)))
@@ -215,6 +298,7 @@ def plan_from_freeing(
             ledger.replace(name, held)
         for name, held in reversed(removed):
             ledger.restore(name, held)
+        ledger.frees = frees
 
 
 def _touching(ledger: Ledger, req: SliceRequest, names: Sequence[str]) -> list[str]:

@@ -39,6 +39,9 @@ class SchedulerConfig:
             reserved for it: lower jobs may only backfill on other GPUs.
         max_reservations: at most this many blocked jobs hold reservations in one cycle.
         resize_up: grow granted elastic jobs toward ``max_gpus`` when nothing is pending.
+        max_preemption_attempts: at most this many pending jobs per cycle search for balloon or
+            preemption victims (the costly part of a cycle; the highest in queue order go first,
+            the others try again next cycle, as in the Kubernetes scheduler).
     """
 
     overcommit_ratio: float = 1.0
@@ -54,6 +57,7 @@ class SchedulerConfig:
     reserve_after_s: float = 600.0
     max_reservations: int = 2
     resize_up: bool = True
+    max_preemption_attempts: int = 64
 
     def __post_init__(self) -> None:
         if self.overcommit_ratio < 1.0:
@@ -67,6 +71,8 @@ class SchedulerConfig:
             raise ConfigError("max_decisions", f"must be >= 1, got {self.max_decisions}")
         if self.reserve_after_s < 0:
             raise ConfigError("reserve_after_s", f"must be >= 0 seconds, got {self.reserve_after_s}")
+        if self.max_preemption_attempts < 0:
+            raise ConfigError("max_preemption_attempts", f"must be >= 0, got {self.max_preemption_attempts}")
         if self.max_reservations < 0:
             raise ConfigError("max_reservations", f"must be >= 0, got {self.max_reservations}")
         thresholds = tuple(float(t) for t in self.las_threshold_gpu_s)

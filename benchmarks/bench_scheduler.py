@@ -1,0 +1,214 @@
+"""Pure scheduler throughput: decisions per second of one schedule() cycle, 1,000 pending jobs.
+
+Usage::
+
+    python benchmarks/bench_scheduler.py [--json] [--sizes 256 1024 4096] [--pending 1000]
+
+Pools of 8-GPU nodes (H100-80GB in two NVLink islands of four, every fourth node A100-40GB
+on PCIe), half of them already busy with running jobs of low priority, and 1,000 pending jobs
+of mixed shapes (shared and guaranteed fractions, exclusive, 2/4/8-GPU pack gangs, spread,
+anti-affinity, elastic, some with a higher priority that preempts). ``max_decisions`` is raised
+to 10,000 so the whole queue is considered in one cycle.
+
+Figures: ``first_cycle`` is one cold cycle over the full queue; ``repeated`` applies the grants
+and runs further cycles with new arrivals (steady state: mostly queue decisions on a full pool).
+The goal is above 1,000 decisions/s at 4,096 GPUs on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from gpupool_sdk.resources import Allocation, GiB, GpuInfo, JobSpec, JobState
+from gpupool_sdk.scheduler import ClusterSnapshot, Grant, JobView, Scheduler, SchedulerConfig
+
+FEATURES_H100 = ("bf16", "fp16", "fp8", "nvlink", "tensor_cores")
+FEATURES_A100 = ("bf16", "fp16", "tensor_cores")
+
+
+def make_pool(n_gpus: int) -> dict[str, GpuInfo]:
+    """``n_gpus`` GPUs on 8-GPU nodes; every fourth node is A100-40GB on PCIe."""
+    out: dict[str, GpuInfo] = {}
+    for n in range(n_gpus // 8):
+        node = f"node-{n:04d}"
+        a100 = n % 4 == 3
+        for i in range(8):
+            uuid = f"GPU-{node}-{i}"
+            out[uuid] = GpuInfo(
+                uuid=uuid,
+                node=node,
+                index=i,
+                model="A100-40GB" if a100 else "H100-80GB",
+                memory_bytes=(40 if a100 else 80) * GiB,
+                features=FEATURES_A100 if a100 else FEATURES_H100,
+                nvlink_island=None if a100 else i // 4,
+            )
+    return out
+
+
+def random_spec(rng: random.Random, name: str, priority_hi: int = 0) -> JobSpec:
+    """One job of a mixed workload."""
+    r = rng.random()
+    prio = rng.choice((0, 0, 1, 2)) + priority_hi
+    if r < 0.35:
+        return JobSpec(name=name, memory=f"{rng.choice((4, 8, 12, 16, 24, 32))}GiB", qos="shared", priority=prio)
+    if r < 0.60:
+        return JobSpec(
+            name=name,
+            memory=f"{rng.choice((8, 16, 20, 30, 40))}GiB",
+            compute_share=rng.choice((0.25, 0.5)),
+            qos="guaranteed",
+            priority=prio,
+        )
+    if r < 0.75:
+        return JobSpec(
+            name=name,
+            gpus=rng.choice((2, 4, 4, 8)),
+            memory="70GiB",
+            qos="guaranteed",
+            priority=prio,
+            features=("nvlink",),
+            topology="pack",
+        )
+    if r < 0.85:
+        return JobSpec(name=name, gpus=rng.choice((1, 2)), qos="exclusive", priority=prio)
+    if r < 0.92:
+        return JobSpec(name=name, gpus=rng.choice((2, 3, 4)), memory="20GiB", compute_share=0.5, topology="spread", priority=prio)
+    if r < 0.96:
+        return JobSpec(
+            name=name, gpus=2, memory="16GiB", compute_share=0.5, anti_affinity=f"grp{rng.randrange(8)}", priority=prio
+        )
+    return JobSpec(name=name, gpus=4, min_gpus=2, max_gpus=8, memory="40GiB", compute_share=1.0, topology="pack", priority=prio)
+
+
+def make_snapshot(n_gpus: int, pending: int, seed: int = 1) -> ClusterSnapshot:
+    """A pool half busy with low-priority running jobs, and ``pending`` jobs waiting."""
+    rng = random.Random(seed)
+    pool = make_pool(n_gpus)
+    gpu_list = list(pool.values())
+    jobs: dict[str, JobView] = {}
+    # Half the GPUs run low-priority shared/guaranteed fractional jobs (two per GPU).
+    for k, g in enumerate(gpu_list[: n_gpus // 2]):
+        for half in range(2):
+            name = f"run-{k}-{half}"
+            qos = "shared" if half == 0 else "guaranteed"
+            spec = JobSpec(name=name, memory=f"{g.memory_bytes // GiB // 4}GiB", compute_share=0.5, qos=qos, priority=0)
+            alloc = Allocation(name, g.node, g.uuid, g.index, spec.memory_bytes, 0.5, spec.qos_class, granted_at=0.0)
+            jobs[name] = JobView(
+                spec=spec,
+                state=JobState.GRANTED,
+                allocations=(alloc,),
+                granted_at=0.0,
+                order=len(jobs),
+                memory_peak_bytes=int(spec.memory_bytes * 0.6),
+            )
+    for k in range(pending):
+        name = f"pend-{k}"
+        jobs[name] = JobView(
+            spec=random_spec(rng, name, priority_hi=3 if k % 50 == 0 else 0),
+            queued_at=float(rng.randrange(0, 600)),
+            order=len(jobs),
+        )
+    return ClusterSnapshot(now=1000.0, gpus=pool, jobs=jobs)
+
+
+def apply_grants(snapshot: ClusterSnapshot, decisions: list[Any], now: float) -> dict[str, JobView]:
+    """Jobs after the cycle's grants (enough of a coordinator for repeated cycles)."""
+    jobs = dict(snapshot.jobs)
+    for d in decisions:
+        if isinstance(d, Grant):
+            v = jobs[d.job]
+            allocs = tuple(
+                Allocation(d.job, s.node, s.gpu_uuid, s.gpu_index, s.memory_bytes, s.compute_share, v.spec.qos_class)
+                for s in d.slices
+            )
+            jobs[d.job] = replace(v, state=JobState.GRANTED, allocations=allocs, granted_at=now)
+    return jobs
+
+
+def bench_size(n_gpus: int, pending: int, cycles: int = 5) -> dict[str, Any]:
+    """Figures for one pool size."""
+    config = SchedulerConfig(max_decisions=10_000, overcommit_ratio=1.5, min_runtime_s=0.0)
+    sched = Scheduler(config)
+    snap = make_snapshot(n_gpus, pending)
+    t0 = time.perf_counter()
+    decisions = sched.schedule(snap)
+    first_s = time.perf_counter() - t0
+    kinds: dict[str, int] = {}
+    for d in decisions:
+        kinds[type(d).__name__] = kinds.get(type(d).__name__, 0) + 1
+
+    rng = random.Random(7)
+    total_decisions = 0
+    total_s = 0.0
+    now = snap.now
+    jobs = apply_grants(snap, decisions, now)
+    for c in range(cycles):
+        now += 10.0
+        # Drop what was preempted (as if it acked and left), add new arrivals to keep ~pending waiting.
+        waiting = sum(1 for v in jobs.values() if v.state is JobState.PENDING)
+        for k in range(max(0, pending - waiting)):
+            name = f"new-{c}-{k}"
+            jobs[name] = JobView(spec=random_spec(rng, name), queued_at=now, order=len(jobs) + k)
+        cur = ClusterSnapshot(now=now, gpus=snap.gpus, jobs=jobs)
+        t0 = time.perf_counter()
+        ds = sched.schedule(cur)
+        total_s += time.perf_counter() - t0
+        total_decisions += len(ds)
+        jobs = apply_grants(cur, ds, now)
+    return {
+        "gpus": n_gpus,
+        "pending": pending,
+        "first_cycle": {
+            "decisions": len(decisions),
+            "seconds": round(first_s, 4),
+            "decisions_per_s": round(len(decisions) / first_s, 1),
+            "kinds": kinds,
+        },
+        "repeated": {
+            "cycles": cycles,
+            "decisions": total_decisions,
+            "seconds": round(total_s, 4),
+            "decisions_per_s": round(total_decisions / total_s, 1) if total_s else 0.0,
+        },
+    }
+
+
+def run(sizes: tuple[int, ...] = (256, 1024, 4096), pending: int = 1000) -> dict[str, Any]:
+    """Run the benchmark at every size; returns a JSON-able dict (used by ``benchmarks/run_all.py``)."""
+    results = {f"gpus_{n}": bench_size(n, pending) for n in sizes}
+    at_4096 = results.get("gpus_4096", {}).get("first_cycle", {}).get("decisions_per_s")
+    return {"goal": ">1000 decisions/s at 4096 GPUs, 1000 pending", "goal_met": bool(at_4096 and at_4096 > 1000), **results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--sizes", type=int, nargs="*", default=[256, 1024, 4096])
+    ap.add_argument("--pending", type=int, default=1000)
+    args = ap.parse_args(argv)
+    res = run(tuple(args.sizes), args.pending)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    print(f"{'gpus':>6} {'cycle decisions':>16} {'cycle s':>8} {'dec/s':>9} {'repeat dec/s':>13}  kinds")
+    for key, r in res.items():
+        if not key.startswith("gpus_"):
+            continue
+        f, rep = r["first_cycle"], r["repeated"]
+        print(
+            f"{r['gpus']:>6} {f['decisions']:>16} {f['seconds']:>8.3f} {f['decisions_per_s']:>9.0f} "
+            f"{rep['decisions_per_s']:>13.0f}  {f['kinds']}"
+        )
+    print(f"goal ({res['goal']}): {'met' if res['goal_met'] else 'NOT met'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
