@@ -33,15 +33,18 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gpupool_consumed = 0
+        self.gpupool_epoch = 0
         self._gpupool_skip = 0
+        self._gpupool_resume_epoch: int | None = None
 
-    def mark_consumed(self, batches: int) -> None:
-        """Record that training has consumed ``batches`` batches of the current epoch."""
+    def mark_consumed(self, batches: int, epoch: int = 0) -> None:
+        """Record that training has consumed ``batches`` batches of epoch ``epoch``."""
         self.gpupool_consumed = batches
+        self.gpupool_epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        """How many batches of the current epoch training consumed."""
-        return {"consumed": int(self.gpupool_consumed)}
+        """How many batches of which epoch training consumed."""
+        return {"consumed": int(self.gpupool_consumed), "epoch": int(self.gpupool_epoch)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Skip the first ``state["consumed"]`` batches on the next iteration (none at an epoch end)."""
@@ -51,8 +54,20 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         except TypeError:
             total = None
         self._gpupool_skip = 0 if total is not None and consumed >= total else consumed
+        self._gpupool_resume_epoch = int(state["epoch"]) if self._gpupool_skip and "epoch" in state else None
+
+    def _set_epoch(self, epoch: int) -> None:
+        # Lightning creates the iterator (and prefetches) before it sets the sampler's epoch on a
+        # resume; a shuffling sampler (DistributedSampler) would replay epoch 0's order.
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
 
     def __iter__(self) -> Any:
+        if self._gpupool_resume_epoch is not None:
+            self._set_epoch(self._gpupool_resume_epoch)
+            self._gpupool_resume_epoch = None
         it = super().__iter__()
         skip, self._gpupool_skip = self._gpupool_skip, 0
         self.gpupool_consumed = skip

@@ -222,11 +222,16 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         for opt in getattr(trainer, "optimizers", []) or []:
             self.runtime.add_optimizer(opt)
+        # A mid-epoch restart skips on_train_epoch_start: collect the loaders here too.
+        self._collect_loaders(trainer)
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+    def _collect_loaders(self, trainer: Any) -> None:
         self._resumable = [dl for dl in _loaders(trainer.train_dataloader) if isinstance(dl, ResumableDataLoader)]
         self.runtime.timer.discard_open()
         self.runtime.timer.start(Phase.DATA)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._collect_loaders(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         rt = self.runtime
@@ -234,7 +239,7 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         if trainer.world_size == 1 and rt.lease_lost():
             self._fence(trainer, Decision(kind="lost", reason=rt.lost_reason()))
         for dl in self._resumable:
-            dl.mark_consumed(batch_idx + 1)
+            dl.mark_consumed(batch_idx + 1, trainer.current_epoch)
         rt.timer.start(Phase.FORWARD)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
