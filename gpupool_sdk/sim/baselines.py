@@ -158,7 +158,8 @@ class TiresiasPolicy(_Base):
 
     def queue_of(self, job: SimJob, now: float) -> int:
         """The LAS queue of ``job`` now (0 = least attained service)."""
-        return bisect.bisect_right(self.thresholds, self._attained(job, now))
+        # A tolerance so that a job woken exactly at its crossing time is already demoted.
+        return bisect.bisect_right(self.thresholds, self._attained(job, now) + 1e-6)
 
     def _promote(self, sim: Simulator) -> None:
         while self._promo and self._promo[0][0] <= sim.now:
@@ -208,9 +209,9 @@ class TiresiasPolicy(_Base):
             if job.state != RUNNING:
                 continue
             att = self._attained(job, now)
-            q = bisect.bisect_right(self.thresholds, att)
+            q = bisect.bisect_right(self.thresholds, att + 1e-6)
             if q < len(self.thresholds):
-                t = now + (self.thresholds[q] - att) / job.num_gpu + EPS
+                t = now + (self.thresholds[q] - att) / job.num_gpu
                 best = t if best is None else min(best, t)
         while self._promo:
             t, idx, since = self._promo[0]

@@ -92,6 +92,8 @@ class SimConfig:
         clip_memory: clip a job's memory demand to the largest GPU (else such jobs are rejected).
         view_refresh_s: the gpupool adapter rebuilds a running job's view (attained service) when
             it is older than this.
+        max_cycles: stop with :class:`SimulationError` after this many scheduling cycles (a policy
+            that thrashes, or failures faster than jobs can finish); None = 1000 per job + 100,000.
     """
 
     checkpoint_s: float = 10.0
@@ -106,6 +108,7 @@ class SimConfig:
     seed: int = 0
     clip_memory: bool = True
     view_refresh_s: float = 60.0
+    max_cycles: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("checkpoint_s", "restart_s", "balloon_s", "repair_s", "tick_s", "view_refresh_s"):
@@ -681,6 +684,7 @@ class Simulator:
         last_t = 0.0
         active = 0
         heap = self._heap
+        max_cycles = cfg.max_cycles if cfg.max_cycles is not None else 1000 * len(self.jobs) + 100_000
         while heap:
             t = heap[0][0]
             dt = t - last_t
@@ -755,6 +759,12 @@ class Simulator:
                 break
             if acted:
                 self.cycles += 1
+                if self.cycles > max_cycles:
+                    raise SimulationError(
+                        f"{self.policy.name}: no end after {self.cycles} scheduling cycles at t={t:.0f}s with "
+                        f"{len(self.pending)} pending and {len(self.running)} running jobs; the policy thrashes "
+                        "(give preempted jobs a minimum run time) or failures outpace progress (raise failure_mtbf_h)"
+                    )
                 self.apply(self.policy.schedule(self))
             if t >= next_sample:
                 cur_stranded, cur_free = self._stranded()
