@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpupool_sdk.config import LeaseTiming
@@ -148,7 +148,9 @@ class Coordinator:
         self._ledger: UsageLedger | None = None
         self._ledger_dirty: set[str] = set()
         self._reset_ledger = False
-        self._settled: set[str] = set()  # jobs charged up to now at release since the last accrual
+        # Jobs being charged: their slices and the monotonic time they are charged up to.
+        self._holding: dict[str, tuple[tuple[Allocation, ...], float]] = {}
+        self._closed: set[str] = set()  # released this cycle (still in the cycle's snapshot)
         self._last_accrual: float | None = None
         self._last_flush = 0.0
         self._last_state: PoolState | None = None
@@ -298,7 +300,8 @@ class Coordinator:
                 self._reset_ledger = False
                 self._ledger = None
                 self._ledger_dirty.clear()
-                self._settled.clear()
+                self._holding.clear()
+                self._closed.clear()
                 self._last_accrual = None
             fence = self.election.fence()
             if fence is None:
@@ -309,10 +312,8 @@ class Coordinator:
             decisions: Sequence[st.Decision] = getattr(result, "decisions", result)
             report: ApplyReport = self.applier.apply(decisions, state)
             self._last_state = state
-            # After the writes, so accounting never delays a grant; at most once a second (the
-            # snapshot's slices are charged for the whole interval: error <= 1 s per change).
-            if self._ledger is None or time.monotonic() - (self._last_accrual or 0.0) >= USAGE_ACCRUE_S:
-                self._accrue(state)
+            # After the writes, so accounting never delays a grant.
+            self._account(state)
             for kind, n in report.applied.items():
                 self.stats.applied[kind] = self.stats.applied.get(kind, 0) + n
             if any(k in report.applied for k in ("Release", "Revoke")) or time.monotonic() - self._last_flush >= self.usage_flush_s:
@@ -343,44 +344,79 @@ class Coordinator:
                 log.warning("usage/%s unreadable, restarting its count: %s", job, exc)
         return UsageLedger.from_records(records)
 
-    def _accrue(self, state: PoolState) -> None:
+    def _charge(self, job: str, allocs: Sequence[Allocation], until_m: float, state: PoolState) -> None:
+        """Charge ``job`` for holding ``allocs`` from where it was charged up to, to ``until_m``."""
+        assert self._ledger is not None
+        held = self._holding.get(job)
+        since = held[1] if held is not None else until_m
+        dt = max(0.0, until_m - since)
+        now_wall = time.time() - max(0.0, time.monotonic() - until_m)
+        view = state.snapshot.jobs.get(job)
+        rec = self._ledger.get(job) or UsageRecord.new(
+            job, owner=view.spec.owner if view else "", qos=allocs[0].mode if allocs else "guaranteed", now=now_wall - dt
+        )
+        if view is not None and view.spec.owner and view.spec.owner != rec.owner:
+            rec = replace(rec, owner=view.spec.owner)
+        self._ledger.records[job] = accrue(rec, allocs, state.snapshot.gpus, dt, self.prices, now=now_wall)
+        self._ledger_dirty.add(job)
+
+    def _account(self, state: PoolState) -> None:
+        """Track who holds slices; charge jobs whose slices changed or vanished, and everyone once a second.
+
+        A job is charged from its grant (``Allocation.granted_at``) or from where its record was
+        last charged, whichever is later, up to when this leader saw its slices change or vanish,
+        so short jobs and jobs that simply finished are charged too.
+        """
         now_m = time.monotonic()
         if self._ledger is None:
             self._ledger = self._seed_ledger(state)
+            self._holding.clear()
             self._last_accrual = now_m
-            self._settled.clear()
-            return
-        dt = 0.0 if self._last_accrual is None else now_m - self._last_accrual
-        self._last_accrual = now_m
-        by_job: dict[str, list[Allocation]] = {}
+        current: dict[str, list[Allocation]] = {}
         for a in state.allocations:
-            if a.job not in self._settled:
-                by_job.setdefault(a.job, []).append(a)
-        self._settled.clear()
-        owners: Mapping[str, str] = {name: v.spec.owner for name, v in state.snapshot.jobs.items()}
-        changed = self._ledger.accrue_all(by_job, owners, state.snapshot.gpus, dt, self.prices, state.snapshot.now)
-        self._ledger_dirty.update(r.job for r in changed)
+            current.setdefault(a.job, []).append(a)
+        for job, (allocs, _since) in list(self._holding.items()):
+            cur = current.get(job)
+            if cur is None or {(a.gpu_uuid, a.memory_bytes, a.compute_share) for a in cur} != {
+                (a.gpu_uuid, a.memory_bytes, a.compute_share) for a in allocs
+            }:
+                self._charge(job, allocs, now_m, state)
+                if cur is None:
+                    del self._holding[job]
+                else:
+                    self._holding[job] = (tuple(cur), now_m)
+        for job, cur in current.items():
+            if job not in self._holding and job not in self._closed:
+                granted = min((a.granted_at for a in cur if a.granted_at), default=state.snapshot.now)
+                rec = self._ledger.get(job)
+                start_wall = max(granted, rec.last_seen if rec is not None else 0.0)
+                self._holding[job] = (tuple(cur), now_m - max(0.0, state.snapshot.now - start_wall))
+        if self._last_accrual is None or now_m - self._last_accrual >= USAGE_ACCRUE_S:
+            self._last_accrual = now_m
+            for job, (allocs, _since) in list(self._holding.items()):
+                self._charge(job, allocs, now_m, state)
+                self._holding[job] = (allocs, now_m)
+        self._closed.clear()
 
     def _usage_body(self, job: str, state: PoolState, now: float) -> Mapping[str, Any] | None:
-        # Written with Release/Revoke: settle this job's account up to now, so that a job that ran
-        # for less than an accrual interval is still charged; the next accrual skips it.
+        # Written with Release/Revoke: charge this job up to now and stop tracking it.
         if self._ledger is None:
-            self._ledger = self._seed_ledger(state)
-            self._last_accrual = time.monotonic()
+            self._account(state)
         view = state.snapshot.jobs[job]
-        dt = 0.0 if self._last_accrual is None else max(0.0, time.monotonic() - self._last_accrual)
-        if job in self._settled:
-            dt = 0.0  # already charged up to now in this accrual interval
-        rec = self._ledger.get(job) or UsageRecord.new(
-            job, owner=view.spec.owner, qos=view.spec.qos_class, now=now - dt
-        )
-        if view.granted_at is not None and self._ledger.get(job) is None:
-            dt = max(dt, now - view.granted_at)  # first account of this job: charge from its grant
-        rec = accrue(rec, view.allocations, state.snapshot.gpus, dt, self.prices, now=now)
-        self._ledger.records[job] = rec
-        self._settled.add(job)
+        held = self._holding.get(job)
+        allocs = held[0] if held is not None else view.allocations
+        if held is None and view.allocations:
+            since_wall = min((a.granted_at for a in view.allocations if a.granted_at), default=now)
+            rec = self._ledger.get(job) if self._ledger is not None else None
+            since_wall = max(since_wall, rec.last_seen if rec is not None else 0.0)
+            self._holding[job] = (view.allocations, time.monotonic() - max(0.0, now - since_wall))
+        self._charge(job, allocs, time.monotonic(), state)
+        self._holding.pop(job, None)
+        self._closed.add(job)  # its slices are gone after this cycle's writes: do not track it again
+        assert self._ledger is not None
+        rec = self._ledger.get(job)
         self._ledger_dirty.discard(job)
-        return rec.to_dict()
+        return rec.to_dict() if rec is not None else None
 
     def _flush_usage(self, force: bool = False) -> None:
         if self._ledger is None or not self._ledger_dirty:
