@@ -12,9 +12,11 @@ minimum run times pass without any key changing. Each wake-up:
    :class:`~gpupool_sdk.coordinator.apply.Applier`, fenced on the leader key.
 3. **Usage.** Accrue GPU-seconds and cost of every held slice into the
    :class:`~gpupool_sdk.telemetry.usage.UsageLedger`; flush changed ``usage/{job}`` records
-   (fenced) every ``usage_flush_s`` and whenever a job gives its slices back. Accrual runs after
-   the cycle's writes and at most once a second, so it never delays a grant; the slices seen are
-   charged for the whole interval (an error of at most a second per grant or release).
+   (fenced) every ``usage_flush_s`` and whenever a job gives its slices back. Each job is charged
+   from its grant (``Allocation.granted_at``) to the cycle that sees its slices released, changed
+   or gone; running jobs are charged once a second. Accounting runs after the cycle's writes, so
+   it never delays a grant. After a failover the new leader continues from the ``usage/{job}``
+   records (up to ``usage_flush_s`` of a running job's usage can be lost with the old leader).
 
 SIGTERM (through :meth:`Coordinator.stop`) ends the loop and resigns at once: the leader key is
 deleted under the fence and the lease revoked, so a standby takes over without waiting a TTL.
