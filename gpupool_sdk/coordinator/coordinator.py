@@ -15,8 +15,9 @@ minimum run times pass without any key changing. Each wake-up:
    (fenced) every ``usage_flush_s`` and whenever a job gives its slices back. Each job is charged
    from its grant (``Allocation.granted_at``) to the cycle that sees its slices released, changed
    or gone; running jobs are charged once a second. Accounting runs after the cycle's writes, so
-   it never delays a grant. After a failover the new leader continues from the ``usage/{job}``
-   records (up to ``usage_flush_s`` of a running job's usage can be lost with the old leader).
+   it never delays a grant. After a failover the new leader charges running jobs from where their
+   ``usage/{job}`` record ends; only a job that ended before the new leader saw it loses what the
+   old leader had not flushed yet (at most ``usage_flush_s``).
 
 SIGTERM (through :meth:`Coordinator.stop`) ends the loop and resigns at once: the leader key is
 deleted under the fence and the lease revoked, so a standby takes over without waiting a TTL.
