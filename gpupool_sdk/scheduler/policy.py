@@ -33,6 +33,7 @@ from gpupool_sdk.scheduler.preempt import (
     plan_balloon,
     plan_from_freeing,
     plan_preemption,
+    victim_key,
     victim_pool,
 )
 from gpupool_sdk.scheduler.protocol import freeing_for, handle_protocol, preempt_deadline
@@ -376,19 +377,14 @@ class Scheduler:
         return f"queued: needs {want} x {what}{layout} among {matching} matching"
 
     def _reservation(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> list[int] | None:
-        """GPUs to hold for ``view``: where it would fit if every lower-priority job were gone."""
-        ledger = cyc.ledger
-        lower = [
-            v.name
-            for v in cyc.snapshot.jobs.values()
-            if v.name in ledger.holdings and v.spec.priority < prio
-        ]
-        removed = [(n, ledger.unreserve(n)) for n in sorted(lower)]
-        try:
-            return place(ledger, req)
-        finally:
-            for n, held in reversed(removed):
-                ledger.restore(n, held)
+        """GPUs to hold for a long-blocked ``view``: where it fits once the cheapest set of running
+        jobs is gone (lower priority and least work first, the same order as victims, but nobody is
+        preempted: they finish or are preempted later, and meanwhile nobody else lands there)."""
+        now = cyc.snapshot.now
+        holders = [v for v in cyc.snapshot.jobs.values() if v.name in cyc.ledger.holdings]
+        holders.sort(key=lambda v: (v.spec.priority >= prio, *victim_key(v, now)))
+        plan = plan_preemption(cyc.ledger, req, [v.name for v in holders])
+        return list(plan.gpus) if plan is not None else None
 
     # ------------------------------------------------------------------ nothing pending: give back
 

@@ -161,26 +161,33 @@ def _completion_groups(
     avoid: set[str] = set()
     if req.anti_affinity is not None:
         avoid = {n for n, c in ledger.groups.get(req.anti_affinity, {}).items() if c > 0}
-    work: dict[int, GpuLoad] = {}
+    state: dict[int, GpuLoad | None] = {}  # working load copy, or None once done or unusable
     taken: dict[int, list[str]] = {}
-    done: set[int] = set()
     ratio = ledger.ratio
+    holdings = ledger.holdings
+    blocked = ledger.blocked
+    nodes = ledger.nodes
+    loads = ledger.loads
+    job = req.job
     for name in names:
-        for h in ledger.holdings.get(name, ()):
+        for h in holdings.get(name, ()):
             gpu = h.gpu
-            if gpu in done:
-                continue
-            cls = ledger.class_of(gpu)
-            if cls is None or id(cls) not in classes:
-                continue
-            holder = ledger.blocked.get(gpu)
-            if holder is not None and holder != req.job:
-                continue
-            if avoid and ledger.nodes[gpu] in avoid:
-                continue
-            load = work.get(gpu)
-            if load is None:
-                load = work[gpu] = ledger.loads[gpu].copy()
+            if gpu in state:
+                load = state[gpu]
+                if load is None:
+                    continue
+            else:
+                cls = ledger.class_of(gpu)
+                holder = blocked.get(gpu)
+                if (
+                    cls is None
+                    or id(cls) not in classes
+                    or (holder is not None and holder != job)
+                    or (avoid and nodes[gpu] in avoid)
+                ):
+                    state[gpu] = None
+                    continue
+                load = state[gpu] = loads[gpu].copy()
                 taken[gpu] = []
             load.remove(h.qos, h.memory, h.compute, h.peak)
             if targets is not None:
@@ -190,7 +197,7 @@ def _completion_groups(
             if not lst or lst[-1] != name:
                 lst.append(name)
             if fits(load, req, ratio):
-                done.add(gpu)
+                state[gpu] = None
                 yield lst
 
 

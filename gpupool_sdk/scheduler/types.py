@@ -57,7 +57,7 @@ class SchedulerConfig:
     reserve_after_s: float = 600.0
     max_reservations: int = 2
     resize_up: bool = True
-    max_preemption_attempts: int = 64
+    max_preemption_attempts: int = 32
 
     def __post_init__(self) -> None:
         if self.overcommit_ratio < 1.0:

@@ -44,3 +44,181 @@ def test_each_pending_job_gets_one_decision() -> None:
     assert sorted(by_job(ds)) == sorted(j.name for j in jobs)
     assert all(len(v) == 1 for v in by_job(ds).values())
     assert sum(isinstance(d, Grant) for d in ds) == 8
+
+
+# ---------------------------------------------------------------- multi-cycle scenarios
+
+from dataclasses import replace  # noqa: E402
+
+from sched_helpers import apply, unhealthy  # noqa: E402
+
+from gpupool_sdk.resources import JobState  # noqa: E402
+from gpupool_sdk.scheduler import (  # noqa: E402
+    ClusterSnapshot,
+    Deflate,
+    Preempt,
+    Resize,
+    Scheduler,
+    SchedulerConfig,
+)
+
+
+def simulate(
+    pool: dict,
+    arrivals: dict[float, list],
+    run_s: dict[str, float],
+    cfg: SchedulerConfig,
+    cycles: int,
+    step: float = 10.0,
+) -> dict[str, float]:
+    """A tiny driver: jobs arrive, get granted, finish after ``run_s``; preempted jobs re-queue. Returns grant times."""
+    sched = Scheduler(cfg)
+    jobs: dict = {}
+    granted_at: dict[str, float] = {}
+    order = 0
+    for c in range(cycles):
+        now = c * step
+        for v in arrivals.get(now, []):
+            jobs[v.name] = replace(v, queued_at=now, order=order)
+            order += 1
+        # Finish jobs that ran long enough; preempted ones ack and go back to the queue.
+        for name, v in list(jobs.items()):
+            if v.state is JobState.GRANTED and v.granted_at is not None and now - v.granted_at >= run_s.get(name, 1e9):
+                del jobs[name]
+            elif v.state is JobState.PREEMPTING:
+                jobs[name] = replace(v, state=JobState.PENDING, allocations=(), granted_at=None)
+        s = ClusterSnapshot(now=now, gpus=pool, jobs=dict(jobs))
+        ds = sched.schedule(s)
+        s = apply(s, ds)
+        jobs = dict(s.jobs)
+        for d in ds:
+            if isinstance(d, Grant):
+                granted_at.setdefault(d.job, now)
+            if isinstance(d, Preempt):
+                jobs[d.job] = replace(jobs[d.job], state=JobState.PREEMPTING)
+    return granted_at
+
+
+def test_anti_starvation_under_stream_of_higher_priority_arrivals() -> None:
+    pool = gpus("a:1xH100-80GB:nvlink")
+    arrivals = {0.0: [job("low", memory="70GiB", priority=0)]}
+    run_s = {"low": 25.0}
+    for k in range(60):
+        t = k * 10.0
+        arrivals.setdefault(t, []).append(job(f"hi{k}", memory="70GiB", priority=3))
+        run_s[f"hi{k}"] = 15.0
+    no_aging = SchedulerConfig(aging_s_per_priority=0.0, max_wait_s=0.0, allow_preemption=False)
+    assert "low" not in simulate(pool, arrivals, run_s, no_aging, cycles=60)  # starves without aging
+    aging = SchedulerConfig(aging_s_per_priority=60.0, allow_preemption=False)
+    got = simulate(pool, arrivals, run_s, aging, cycles=60)
+    # Bounded: it passes every high job queued more than 3 priority points (180 s) after it.
+    assert "low" in got and got["low"] <= 400.0
+    only_max_wait = SchedulerConfig(aging_s_per_priority=0.0, max_wait_s=200.0, allow_preemption=False)
+    got = simulate(pool, arrivals, run_s, only_max_wait, cycles=60)
+    assert "low" in got and got["low"] <= 260.0
+
+
+def test_reservation_stops_small_jobs_leapfrogging_a_large_one() -> None:
+    pool = gpus("a:2xH100-80GB:nvlink")
+    arrivals: dict[float, list] = {0.0: [job("s-a", memory="70GiB"), job("big", memory="70GiB", gpus=2)]}
+    run_s = {"big": 20.0, "s-a": 25.0}
+    for k in range(1, 40):
+        arrivals.setdefault(k * 10.0, []).append(job(f"s{k}", memory="70GiB"))
+        run_s[f"s{k}"] = 25.0
+    base = dict(aging_s_per_priority=0.0, max_wait_s=0.0, allow_preemption=False)
+    never = simulate(pool, arrivals, run_s, SchedulerConfig(**base, max_reservations=0), cycles=40)
+    assert "big" not in never  # smalls keep backfilling whichever GPU frees
+    got = simulate(pool, arrivals, run_s, SchedulerConfig(**base, reserve_after_s=30.0), cycles=40)
+    assert "big" in got and got["big"] <= 80.0
+
+
+def test_four_gpu_pack_lands_on_one_island_of_two() -> None:
+    pool = gpus("a:8xH100-80GB:nvlink=2x4")
+    ds = run(snap(pool, [job("p", gpus=4, memory="70GiB", topology="pack")]))
+    g = only(ds, "p")
+    assert isinstance(g, Grant)
+    assert len({pool[s.gpu_uuid].nvlink_island for s in g.slices}) == 1
+
+
+def test_spread_and_anti_affinity_on_distinct_nodes() -> None:
+    pool = gpus("a:4xH100-80GB:nvlink,b:4xH100-80GB:nvlink,c:4xH100-80GB:nvlink")
+    ds = run(snap(pool, [job("sp", gpus=3, memory="10GiB", compute_share=0.2, topology="spread")]))
+    assert len({s.node for s in only(ds, "sp").slices}) == 3
+    members = [job(f"m{i}", memory="10GiB", compute_share=0.2, anti_affinity="ps", order=i) for i in range(4)]
+    ds = run(snap(pool, members))
+    granted = [d for d in ds if isinstance(d, Grant)]
+    assert len(granted) == 3 and len({d.slices[0].node for d in granted}) == 3
+    assert "away from group ps" not in only(ds, "m3").reason or isinstance(only(ds, "m3"), Queue)
+
+
+def test_gang_all_or_none() -> None:
+    pool = gpus("a:4xH100-80GB:nvlink")
+    held = running(job("x", qos="exclusive"), [list(pool.values())[0]])
+    ds = run(snap(pool, [held, job("gang", gpus=4, memory="10GiB", compute_share=0.5)]))
+    d = only(ds, "gang")
+    assert isinstance(d, Queue) and "needs 4 x" in d.reason
+
+
+def test_cordon_and_drain_block_new_grants() -> None:
+    pool = gpus("a:2xH100-80GB:nvlink,b:2xH100-80GB:nvlink")
+    a0, a1, b0, b1 = pool.values()
+    ds = run(snap(pool, [job("j", memory="10GiB")], cordoned=frozenset({a0.uuid, a1.uuid}), draining=frozenset({"b"})))
+    assert isinstance(only(ds, "j"), Queue)
+    ds = run(snap({**pool, a0.uuid: unhealthy(a0)}, [job("j", memory="10GiB")], draining=frozenset({"b"})))
+    assert only(ds, "j").slices[0].gpu_uuid == a1.uuid
+
+
+def test_exclusive_keeps_others_out() -> None:
+    pool = gpus("a:1xH100-80GB:nvlink")
+    (gpu,) = pool.values()
+    held = running(job("x", qos="exclusive"), [gpu])
+    ds = run(snap(pool, [held, job("s", memory="1GiB", qos="shared"), job("g", memory="1GiB", compute_share=0.01)]),
+             SchedulerConfig(overcommit_ratio=4.0, allow_preemption=False))
+    assert all(isinstance(d, Queue) for d in ds)
+    # and an exclusive job never joins a GPU with anything on it
+    held = running(job("s", memory="1GiB", qos="shared"), [gpu])
+    ds = run(snap(pool, [held, job("x", qos="exclusive")]), SchedulerConfig(allow_preemption=False))
+    assert isinstance(only(ds, "x"), Queue)
+
+
+def test_max_decisions_caps_work() -> None:
+    pool = gpus("a:8xH100-80GB:nvlink")
+    jobs = [job(f"j{i}", memory="1GiB", compute_share=0.1, order=i) for i in range(20)]
+    ds = run(snap(pool, jobs), SchedulerConfig(max_decisions=5))
+    assert sum(isinstance(d, Grant) for d in ds) == 5
+    assert sum("max_decisions" in getattr(d, "reason", "") for d in ds) == 15
+
+
+def test_deterministic_for_a_snapshot() -> None:
+    pool = gpus("a:8xH100-80GB:nvlink=2x4,b:8xH100-80GB:nvlink=2x4")
+    jobs = [job(f"j{i}", gpus=1 + i % 3, memory=f"{10 + 7 * (i % 5)}GiB", compute_share=0.25, order=i % 4,
+                priority=i % 2) for i in range(30)]
+    s = snap(pool, jobs, now=100.0)
+    first = run(s)
+    assert run(s) == first
+    assert run(snap(pool, list(reversed(jobs)), now=100.0)) == first
+
+
+def test_elastic_granted_fewer_then_resized_up_when_nothing_pending() -> None:
+    pool = gpus("a:4xH100-80GB:nvlink")
+    blockers = [running(job(f"b{i}", memory="70GiB"), [list(pool.values())[i]]) for i in range(2)]
+    el = job("el", gpus=4, min_gpus=1, max_gpus=4, memory="70GiB")
+    ds = run(snap(pool, [*blockers, el]), SchedulerConfig(allow_preemption=False))
+    g = only(ds, "el")
+    assert isinstance(g, Grant) and len(g.slices) == 2 and "elastic" in g.reason
+    s = apply(snap(pool, [*blockers, el]), ds)
+    # The blockers finish: nothing pending, so the elastic job is asked to grow.
+    s2 = replace(s, jobs={"el": s.jobs["el"]}, now=100.0)
+    ds2 = run(s2)
+    rz = only(ds2, "el")
+    assert isinstance(rz, Resize) and rz.gpus == 4
+
+
+def test_deflate_when_pressure_is_over() -> None:
+    pool = gpus("a:1xH100-80GB:nvlink")
+    (gpu,) = pool.values()
+    shrunk = running(job("s", memory="40GiB", qos="shared", peak=10 * GiB), [gpu], memory=12 * 2**30)
+    ds = run(snap(pool, [shrunk]))
+    assert isinstance(only(ds, "s"), Deflate)
+    other = running(job("g", memory="50GiB", compute_share=0.5), [gpu])
+    assert run(snap(pool, [shrunk, other])) == []
