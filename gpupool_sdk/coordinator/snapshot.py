@@ -28,7 +28,7 @@ from gpupool_sdk.resources import (
 )
 from gpupool_sdk.scheduler.types import ClusterSnapshot, JobView
 from gpupool_sdk.store.codec import decode, decode_dict
-from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.store.keyspace import Keyspace, ParsedKey
 from gpupool_sdk.store.records import ResumeRecord
 from gpupool_sdk.store.types import KeyValue
 
@@ -125,6 +125,7 @@ class DecodeCache:
     def __init__(self) -> None:
         self._entries: dict[str, tuple[int, Any]] = {}
         self.reported: dict[str, str] = {}  # key -> problem already logged (log once, not every cycle)
+        self.shapes: dict[str, ParsedKey | None] = {}  # key -> its parsed shape (keys never change shape)
         self.hits = 0
         self.misses = 0
 
@@ -150,6 +151,8 @@ class DecodeCache:
             del self._entries[k]
         for k in [k for k in self.reported if k not in live]:
             del self.reported[k]
+        for k in [k for k in self.shapes if k not in live]:
+            del self.shapes[k]
 
 
 def build_state(
@@ -213,7 +216,12 @@ def build_state(
 
     for kv in items:
         seen.add(kv.key)
-        parsed = keyspace.parse(kv.key)
+        if cache is None:
+            parsed = keyspace.parse(kv.key)
+        elif kv.key in cache.shapes:
+            parsed = cache.shapes[kv.key]
+        else:
+            parsed = cache.shapes[kv.key] = keyspace.parse(kv.key)
         if parsed is None:
             continue  # keys of other shapes (future kinds, the term counter) are not ours to judge
         kind, parts = parsed.kind, parsed.parts
