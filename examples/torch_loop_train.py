@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                      checkpoint_dir=args.checkpoint_dir, allocator="none") as pool:
         torch.manual_seed(args.seed)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(pool.device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(args.seed)
         data_x = torch.randn(args.steps, 8, 16, generator=g)
         data_y = data_x[:, :, :1] * 2.0 - data_x[:, :, 1:2]
