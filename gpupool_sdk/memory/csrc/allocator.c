@@ -142,7 +142,7 @@ struct gp_alloc {
   Segment *segments;
   StreamPool **sps;
   int nsps, cap_sps;
-  StreamPool *last_sp;
+  StreamPool *last_sp[2]; /* per pool: the hot path alternates pools */
   HEntry *tab;
   size_t tab_cap, tab_count;
   int tab_shift;
@@ -415,11 +415,11 @@ static void quick_flush_all(gp_alloc *a) {
 }
 
 static StreamPool *stream_pool(gp_alloc *a, uint64_t stream, int pool) {
-  StreamPool *sp = a->last_sp;
-  if (sp && sp->stream == stream && sp->pool == pool) return sp;
+  StreamPool *sp = a->last_sp[pool];
+  if (sp && sp->stream == stream) return sp;
   for (int i = 0; i < a->nsps; i++) {
     if (a->sps[i]->stream == stream && a->sps[i]->pool == pool) {
-      a->last_sp = a->sps[i];
+      a->last_sp[pool] = a->sps[i];
       return a->sps[i];
     }
   }
@@ -435,7 +435,7 @@ static StreamPool *stream_pool(gp_alloc *a, uint64_t stream, int pool) {
   sp->stream = stream;
   sp->pool = pool;
   a->sps[a->nsps++] = sp;
-  a->last_sp = sp;
+  a->last_sp[pool] = sp;
   return sp;
 }
 
