@@ -132,13 +132,24 @@ def _checkpoint_from_ack(state: PoolState, job: str) -> Checkpoint | None:
 
 
 def resume_record(state: PoolState, job: str, preempted: bool) -> ResumeRecord:
-    """The ``checkpoints/{job}`` record to keep when the job gives its slices back."""
+    """The ``checkpoints/{job}`` record to keep when the job gives its slices back.
+
+    **Decision (aging credit):** ``first_queued_at`` is written as ``now - time waited``, where
+    the time waited is what the job spent queued before its grants (its own earlier credit
+    included), not the time it ran. A job restarted under the same name is queued as of that
+    instant, so it keeps the credit it earned by waiting (plus the time it was out of the pool)
+    but gets none for its own run time: with credit for run time, a preempted job would come
+    back with a huge effective priority and preempt straight back.
+    """
     view = state.snapshot.jobs[job]
     meta = state.jobs[job]
+    now = state.snapshot.now
     old_pre = meta.status.preemptions if meta.status is not None else 0
     if meta.resume is not None:
         old_pre = max(old_pre, meta.resume.preemptions)
-    first_queued = meta.resume.first_queued_at if meta.resume is not None and meta.resume.first_queued_at else view.queued_at
+    end = view.granted_at if view.granted_at is not None else now
+    waited = max(0.0, end - view.queued_at)
+    first_queued = now - waited
     return ResumeRecord(
         job=job,
         last_checkpoint=_checkpoint_from_ack(state, job),

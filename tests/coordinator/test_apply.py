@@ -146,6 +146,8 @@ def test_release_frees_slices_and_keeps_the_checkpoint_for_resume() -> None:
     assert puts[KS.checkpoint("j")].lease == 0  # outlives the job
     assert resume.preemptions == 1 and resume.last_checkpoint is not None and resume.last_checkpoint.path == "/ckpt/42"
     assert resume.attained_gpu_s == pytest.approx(2 * (NOW - 900.0))
+    # Aging credit: the 100 s it waited (queued 800, granted 900), not the 100 s it ran.
+    assert resume.first_queued_at == NOW - 100.0
     assert KS.usage("j") in puts and puts[KS.usage("j")].lease == 0
 
 
