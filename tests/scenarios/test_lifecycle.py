@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from gpupool_sdk.errors import SpecError
-from gpupool_sdk.resources import DirectiveKind, GiB, JobSpec, JobState
+from gpupool_sdk.resources import Ack, DirectiveKind, GiB, JobSpec, JobState
+from gpupool_sdk.store.records import TelemetryRecord
 from gpupool_sdk.telemetry.usage import UsageRecord
 from scenarios.harness import Pool, wait_for
 
@@ -143,4 +145,28 @@ def test_hand_edited_garbage_is_skipped_and_the_pool_keeps_working(pool: Pool, e
     job.wait_state(JobState.GRANTED)
     assert "garbage" in pool.log("coordinator-c1")  # reported with its key
     assert pool.procs[-1].poll() is None
+    pool.check()
+
+
+def test_balloon_shrinks_a_shared_job_to_make_room(pool: Pool) -> None:
+    pool.gpus("node-a:1xA100-40GB:pcie")
+    pool.coordinator("c1")
+    shared = pool.submit("shared", gpus=1, memory="30GiB", qos="shared", priority=0)
+    shared.wait_state(JobState.GRANTED)
+    # It reports that it really peaks at 8 GiB: the pool may shrink it rather than preempt it.
+    pool.store.put(pool.keys.telemetry("shared"),
+                   TelemetryRecord(job="shared", at=time.time(), summary={"memory_peak_bytes": 8 * GiB}),
+                   lease=shared.lease)
+    urgent = pool.submit("urgent", gpus=1, memory="20GiB", qos="guaranteed", priority=5)
+    d = shared.wait_directive()
+    assert d.kind is DirectiveKind.BALLOON
+    target = int(d.target["memory_bytes"])
+    assert 8 * GiB <= target <= 20 * GiB
+    assert urgent.state() is not JobState.GRANTED  # not before the memory is actually given back
+    pool.check()
+    ack = Ack(seq=d.seq, step=50, reached_bytes=target, at=time.time())
+    pool.store.put(pool.keys.ack("shared"), ack, lease=shared.lease)
+    urgent.wait_state(JobState.GRANTED)
+    wait_for(lambda: [a.memory_bytes for a in shared.allocations()] == [target], what="the shrunk allocation")
+    assert shared.state() is JobState.GRANTED  # it kept running, on less memory
     pool.check()
