@@ -8,6 +8,7 @@ bytes never grow above the limit, and trim releases every fully free segment.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import pytest
@@ -285,7 +286,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=150,
+    # 150 keeps the suite fast; GPUPOOL_HYPOTHESIS_EXAMPLES=2000 for a soak run.
+    max_examples=int(os.environ.get("GPUPOOL_HYPOTHESIS_EXAMPLES", "150")),
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
