@@ -314,7 +314,16 @@ def plan(
             issued_at=now,
             term=term,
         )
-        return Plan(job, kind, (PutOp(ks.directive(job), encode(directive), meta.lease),), guards)
+        ops = [PutOp(ks.directive(job), encode(directive), meta.lease)]
+        if dkind is DirectiveKind.DEFLATE:
+            # The quota comes back at once, in the same transaction: the allocations are what
+            # every later cycle counts, so they must say the full size before the job grows into it.
+            ops.extend(
+                PutOp(ks.allocation(a.node, a.gpu_uuid, job), encode(replace(a, memory_bytes=target_bytes, term=term)), meta.lease)
+                for a in view.allocations
+                if a.memory_bytes != target_bytes
+            )
+        return Plan(job, kind, tuple(ops), guards)
 
     if isinstance(decision, st.Release):
         preempted = view.directive is not None and view.directive.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE)
@@ -357,6 +366,25 @@ def plan(
     return Plan(job, kind)
 
 
+def housekeeping(state: PoolState, keyspace: Keyspace) -> list[Plan]:
+    """Writes no scheduler decision asks for: retire deflate directives once acked or past their deadline.
+
+    A deflate directive only informs the job that its quota is back (the allocations were already
+    rewritten); left in place it would keep the job from ever being ballooned again.
+    """
+    plans: list[Plan] = []
+    now = state.snapshot.now
+    for job, view in sorted(state.snapshot.jobs.items()):
+        d = view.directive
+        if d is None or d.kind is not DirectiveKind.DEFLATE:
+            continue
+        acked = view.ack is not None and view.ack.seq >= d.seq
+        if acked or now > d.deadline:
+            meta = state.jobs[job]
+            plans.append(Plan(job, "Retire", (DeleteOp(keyspace.directive(job)),), _guard(keyspace, meta)))
+    return plans
+
+
 class Applier:
     """Applies decisions through a :class:`FencedWriter`, one transaction per decision.
 
@@ -383,10 +411,14 @@ class Applier:
         self._usage = usage
 
     def apply(self, decisions: Sequence[st.Decision], state: PoolState) -> ApplyReport:
-        """Apply ``decisions`` in order; stop at the first lost fence (we no longer lead)."""
+        """Apply ``decisions`` in order, then :func:`housekeeping`; stop at the first lost fence."""
         report = ApplyReport()
-        for d in decisions:
-            p = plan(d, state, self._ks, self._config, self._usage)
+        busy = {d.job for d in decisions}
+        plans: list[tuple[st.Decision | None, Plan]] = [
+            (d, plan(d, state, self._ks, self._config, self._usage)) for d in decisions
+        ]
+        plans += [(None, p) for p in housekeeping(state, self._ks) if p.job not in busy]
+        for d, p in plans:
             if p.empty:
                 report.skipped += 1
                 continue
@@ -408,5 +440,5 @@ class Applier:
                     pass  # already gone: the job died or released on its own
                 except StoreError as exc:
                     log.warning("could not revoke lease %x of %s: %s (retried next cycle)", p.revoke_lease, p.job, exc)
-            log.info("%s %s: %s", p.kind.lower(), p.job, getattr(d, "reason", ""))
+            log.info("%s %s: %s", p.kind.lower(), p.job, getattr(d, "reason", "") if d is not None else "deflate done")
         return report

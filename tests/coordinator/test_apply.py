@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gpupool_sdk.config import LeaseTiming
-from gpupool_sdk.coordinator.apply import Applier, plan
+from gpupool_sdk.coordinator.apply import Applier, housekeeping, plan
 from gpupool_sdk.coordinator.election import Election, ElectionTiming
 from gpupool_sdk.coordinator.fencing import DeleteOp, FencedWriter, PutOp, SameIncarnation
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
@@ -196,3 +196,33 @@ def test_grant_is_not_applied_once_the_job_restarted(store: EtcdStore) -> None:
         assert not store.get_prefix(ks.allocations_prefix())[0]
     finally:
         election.resign()
+
+
+def test_deflate_restores_the_allocations_with_the_directive() -> None:
+    state = _state(GRANTED, held=2)
+    shrunk = replace_allocs(state, 4 * GiB)
+    p = plan(st.Deflate("j", "pressure over"), shrunk, KS, CFG)
+    puts = _puts(p)
+    d = decode("d", puts[KS.directive("j")].value, Directive)
+    assert d.kind is DirectiveKind.DEFLATE and d.target["memory_bytes"] == 10 * GiB
+    sizes = {decode("a", o.value, Allocation).memory_bytes for k, o in puts.items() if "/allocations/" in k}
+    assert sizes == {10 * GiB}
+
+
+@pytest.mark.parametrize(("ack_seq", "deadline", "retired"), [(None, 2000.0, False), (3, 2000.0, True), (None, 999.0, True)])
+def test_deflate_directives_retire_once_acked_or_expired(ack_seq: int | None, deadline: float, retired: bool) -> None:
+    d = Directive(DirectiveKind.DEFLATE, 3, deadline, {"memory_bytes": 10 * GiB})
+    state = _state(GRANTED, held=2, directive=d, ack=Ack(seq=ack_seq) if ack_seq else None)
+    plans = housekeeping(state, KS)
+    assert bool(plans) is retired
+    if retired:
+        assert _deletes(plans[0]) == {KS.directive("j")}
+
+
+def replace_allocs(state: PoolState, memory: int) -> PoolState:
+    from dataclasses import replace as dc_replace
+
+    view = state.snapshot.jobs["j"]
+    view = dc_replace(view, allocations=tuple(dc_replace(a, memory_bytes=memory) for a in view.allocations))
+    snap = dc_replace(state.snapshot, jobs={**state.snapshot.jobs, "j": view})
+    return dc_replace(state, snapshot=snap)

@@ -170,3 +170,13 @@ def test_balloon_shrinks_a_shared_job_to_make_room(pool: Pool) -> None:
     wait_for(lambda: [a.memory_bytes for a in shared.allocations()] == [target], what="the shrunk allocation")
     assert shared.state() is JobState.GRANTED  # it kept running, on less memory
     pool.check()
+    # The pressure ends: the quota comes back (allocation first, then the job is told).
+    urgent.release()
+    d2 = wait_for(lambda: (x if (x := shared.directive()) is not None and x.kind is DirectiveKind.DEFLATE else None),
+                  what="a deflate directive")
+    assert d2.seq > d.seq and d2.target["memory_bytes"] == 30 * GiB
+    assert [a.memory_bytes for a in shared.allocations()] == [30 * GiB]
+    pool.check()
+    pool.store.put(pool.keys.ack("shared"), Ack(seq=d2.seq, step=60, reached_bytes=30 * GiB, at=time.time()),
+                   lease=shared.lease)
+    wait_for(lambda: shared.directive() is None, what="the acked deflate directive to be retired")
