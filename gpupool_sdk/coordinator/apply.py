@@ -11,7 +11,10 @@ What each decision writes (see ``docs/architecture.md``, "The lease protocol"):
 * ``Queue`` / ``Reject``: status PENDING / REJECTED with the reason, only when state or reason
   changed (no write storms on every cycle).
 * ``Preempt`` / ``Resize``: ``directives/{job}`` with the next seq, and status PREEMPTING.
-* ``Balloon`` / ``Deflate``: ``directives/{job}`` with the per-slice memory target.
+* ``Balloon``: ``directives/{job}`` with the per-slice memory target (the allocations shrink
+  when the job acks: ``Shrink``).
+* ``Deflate``: the allocations back to full size and ``directives/{job}`` telling the job, in one
+  transaction; :func:`housekeeping` retires the directive once acked or past its deadline.
 * ``Release``: delete allocations and directive, status SUSPENDED (or the decision's state),
   ``checkpoints/{job}`` with the acknowledged checkpoint, ``usage/{job}``.
 * ``Revoke``: ``checkpoints/{job}`` and ``usage/{job}``, then revoke the job's etcd lease.
