@@ -96,8 +96,8 @@ def _status(
         queued_at=view.queued_at,
         granted_at=old.granted_at if old is not None else None,
         preemptions=old.preemptions if old is not None else (resume.preemptions if resume is not None else 0),
-        last_checkpoint=(old.last_checkpoint if old is not None else None)
-        or (resume.last_checkpoint if resume is not None else None),
+        # The newest acknowledged checkpoint: this incarnation's ack, else the status, else resume data.
+        last_checkpoint=_checkpoint_from_ack(state, job),
         term=state.snapshot.term,
         gpus=len(view.allocations),
         attained_gpu_s=view.attained_gpu_s,

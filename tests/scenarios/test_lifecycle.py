@@ -180,3 +180,22 @@ def test_balloon_shrinks_a_shared_job_to_make_room(pool: Pool) -> None:
     pool.store.put(pool.keys.ack("shared"), Ack(seq=d2.seq, step=60, reached_bytes=30 * GiB, at=time.time()),
                    lease=shared.lease)
     wait_for(lambda: shared.directive() is None, what="the acked deflate directive to be retired")
+
+
+def test_elastic_job_grows_through_a_resize(pool: Pool) -> None:
+    pool.gpus("node-a:2xA100-40GB:pcie")
+    pool.coordinator("c1")
+    blocker = pool.submit("blocker", gpus=1, qos="exclusive", priority=5)
+    blocker.wait_state(JobState.GRANTED)
+    elastic = pool.submit("elastic", gpus=1, min_gpus=1, max_gpus=2, qos="exclusive", priority=0)
+    elastic.wait_state(JobState.GRANTED)
+    assert len(elastic.allocations()) == 1
+    blocker.release()  # a GPU frees up and nothing else waits: the elastic job may grow
+    d = elastic.wait_directive()
+    assert d.kind is DirectiveKind.RESIZE and d.target["gpus"] == 2
+    elastic.ack(d, step=10)
+    status = wait_for(lambda: (s if (s := elastic.status()) is not None and s.state is JobState.GRANTED and s.gpus == 2 else None),
+                      what="the re-grant with two GPUs")
+    assert len(elastic.allocations()) == 2 and elastic.directive() is None
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 10
+    pool.check()
