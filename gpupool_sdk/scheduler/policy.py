@@ -29,6 +29,7 @@ from gpupool_sdk.scheduler.ordering import effective_priority, order_pending, wa
 from gpupool_sdk.scheduler.placement import holdings_for, place
 from gpupool_sdk.scheduler.preempt import (
     Plan,
+    VictimIndex,
     balloon_targets,
     plan_balloon,
     plan_from_freeing,
@@ -96,7 +97,7 @@ class _Cycle:
     ballooning: dict[str, tuple[int, str | None]] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)
     attempts: int = 0
-    victims: list[tuple[str, int]] | None = None
+    victims: VictimIndex | None = None
     balloonable: dict[str, int] | None = None
     no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
 
@@ -305,10 +306,9 @@ class Scheduler:
         now = cyc.snapshot.now
         if cyc.victims is None:
             pool = victim_pool(cyc.snapshot.jobs.values(), now, cyc.config, cyc.ledger)
-            cyc.victims = [(v.name, v.spec.priority) for v in pool]
-        busy = cyc.busy
-        victims = [n for n, p in cyc.victims if p < prio and n not in busy]
-        plan = plan_preemption(cyc.ledger, req, victims) if victims else None
+            cyc.victims = VictimIndex(cyc.ledger, [(v.name, v.spec.priority) for v in pool])
+        groups = cyc.victims.groups(req, prio, cyc.busy)
+        plan = plan_preemption(cyc.ledger, req, (), groups=groups) if cyc.victims else None
         if plan is None:
             return False
         for name in plan.jobs:

@@ -18,7 +18,8 @@ was before the function returns.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import math
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -101,7 +102,9 @@ def eligible_victims(
     return [v for v in base if v.spec.priority < priority and v.name not in busy_set]
 
 
-def plan_preemption(ledger: Ledger, req: SliceRequest, victims: Sequence[str]) -> Plan | None:
+def plan_preemption(
+    ledger: Ledger, req: SliceRequest, victims: Sequence[str], groups: Iterable[list[str]] | None = None
+) -> Plan | None:
     """The smallest victim set after which ``req`` fits (``victims``: job names in victim order).
 
     For each GPU that matches ``req``, the shortest prefix (in victim order) of the victims on
@@ -109,9 +112,11 @@ def plan_preemption(ledger: Ledger, req: SliceRequest, victims: Sequence[str]) -
     least protected such prefix (its last victim's place in victim order, then its length).
     Victims of the best GPUs are then freed in the ledger in doubling batches of GPUs until the
     job can be placed (topology included), and the set is pruned to the victims the placement
-    needs.
+    needs. ``groups`` (from :meth:`VictimIndex.groups`) replaces the per-call search.
     """
-    groups = _completion_groups(ledger, req, victims, None)
+    groups_it: Iterator[list[str]] = (
+        iter(groups) if groups is not None else (lst for _, lst in _completion_groups(ledger, req, victims, None))
+    )
     removed: list[tuple[str, list[Holding]]] = []
     gone: set[str] = set()
     gpus: list[int] | None = None
@@ -119,7 +124,7 @@ def plan_preemption(ledger: Ledger, req: SliceRequest, victims: Sequence[str]) -
     batch = max(1, req.min_count)
     try:
         while True:
-            got = list(islice(groups, batch))
+            got = list(islice(groups_it, batch))
             if not got:
                 break
             for names in got:
@@ -147,8 +152,12 @@ def plan_preemption(ledger: Ledger, req: SliceRequest, victims: Sequence[str]) -
 
 
 def _completion_groups(
-    ledger: Ledger, req: SliceRequest, names: Sequence[str], targets: dict[str, int] | None
-) -> Iterator[list[str]]:
+    ledger: Ledger,
+    req: SliceRequest,
+    names: Sequence[str],
+    targets: dict[str, int] | None,
+    respect_blocks: bool = True,
+) -> Iterator[tuple[int, list[str]]]:
     """Walk ``names`` in order, applying each one's change (removal, or shrink to ``targets[name]``)
     to working copies of the loads of the GPUs it holds; yield, for each GPU at the moment one
     slice of ``req`` first fits there, the names applied on that GPU so far.
@@ -159,7 +168,7 @@ def _completion_groups(
     """
     classes = {id(c) for c in ledger.matching_classes(req.features, req.gpu_model)}
     avoid: set[str] = set()
-    if req.anti_affinity is not None:
+    if req.anti_affinity is not None and respect_blocks:
         avoid = {n for n, c in ledger.groups.get(req.anti_affinity, {}).items() if c > 0}
     state: dict[int, GpuLoad | None] = {}  # working load copy, or None once done or unusable
     taken: dict[int, list[str]] = {}
@@ -178,7 +187,7 @@ def _completion_groups(
                     continue
             else:
                 cls = ledger.class_of(gpu)
-                holder = blocked.get(gpu)
+                holder = blocked.get(gpu) if respect_blocks else None
                 if (
                     cls is None
                     or id(cls) not in classes
@@ -198,7 +207,59 @@ def _completion_groups(
                 lst.append(name)
             if fits(load, req, ratio):
                 state[gpu] = None
-                yield lst
+                yield gpu, lst
+
+
+class VictimIndex:
+    """Per-cycle cache of the victim search (the costly part of a cycle on a large pool).
+
+    For one slice signature (class, memory, compute, peak, features, model) and one priority
+    threshold, the per-GPU victim prefixes are computed once, over the whole pool, ignoring
+    reservations and anti-affinity; every later search of the cycle with the same signature only
+    re-checks each GPU against the ledger as it is now (reserved for someone else, avoided node,
+    a victim already taken, or a new grant there that makes the prefix insufficient: skipped).
+
+    Args:
+        ledger: the cycle's ledger.
+        pool: ``(job name, priority)`` of every possible victim, in victim order.
+    """
+
+    def __init__(self, ledger: Ledger, pool: Sequence[tuple[str, int]]) -> None:
+        self.ledger = ledger
+        self.pool = list(pool)
+        self._cache: dict[tuple[object, ...], list[tuple[int, list[str]]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.pool)
+
+    def groups(self, req: SliceRequest, priority: float, busy: Collection[str]) -> Iterator[list[str]]:
+        """Victim groups for ``req`` from jobs of priority below ``priority`` not in ``busy``, cheapest first."""
+        top = math.ceil(priority) - 1  # highest priority a victim may have (priority < ``priority``)
+        key = (req.qos, req.memory, req.compute, req.peak, req.features, req.gpu_model, top)
+        options = self._cache.get(key)
+        ledger = self.ledger
+        if options is None:
+            names = [n for n, p in self.pool if p <= top]
+            options = list(_completion_groups(ledger, req, names, None, respect_blocks=False))
+            self._cache[key] = options
+        avoid: set[str] = set()
+        if req.anti_affinity is not None:
+            avoid = {n for n, c in ledger.groups.get(req.anti_affinity, {}).items() if c > 0}
+        for gpu, names in options:
+            holder = ledger.blocked.get(gpu)
+            if holder is not None and holder != req.job:
+                continue
+            if avoid and ledger.nodes[gpu] in avoid:
+                continue
+            if any(n in busy for n in names):
+                continue
+            load = ledger.loads[gpu].copy()
+            for n in names:
+                for h in ledger.holdings.get(n, ()):
+                    if h.gpu == gpu:
+                        load.remove(h.qos, h.memory, h.compute, h.peak)
+            if fits(load, req, ledger.ratio):
+                yield names
 
 
 def _prune(ledger: Ledger, req: SliceRequest, removed: list[tuple[str, list[Holding]]], gpus: list[int]) -> list[str]:
@@ -244,7 +305,7 @@ def plan_balloon(ledger: Ledger, req: SliceRequest, targets: dict[str, int]) -> 
     Candidates are tried GPU by GPU (cheapest first, see :func:`_completion_groups`) in doubling
     batches, like victims.
     """
-    groups = _completion_groups(ledger, req, sorted(targets), targets)
+    groups = (lst for _, lst in _completion_groups(ledger, req, sorted(targets), targets))
     old: dict[str, list[Holding]] = {}
     frees = ledger.frees
     batch = max(1, req.min_count)
