@@ -110,6 +110,7 @@ class Ledger:
         self._bucket_g: list[int] = [0] * len(self.gpus)
         self._key_s: list[tuple[float, int] | None] = [None] * len(self.gpus)
         self._match_cache: dict[tuple[tuple[str, ...], str | None], list[_ClassIndex]] = {}
+        self._count_cache: dict[tuple[tuple[str, ...], str | None], int] = {}
         for i, g in enumerate(self.gpus):
             if not self.schedulable[i]:
                 self._class_of.append(None)
@@ -134,15 +135,19 @@ class Ledger:
     def __len__(self) -> int:
         return len(self.gpus)
 
-    def reserve(self, job: str, holdings: Sequence[Holding], group: str | None = None) -> None:
-        """Commit ``holdings`` for ``job`` (adds to what it already holds)."""
+    def reserve(self, job: str, holdings: Sequence[Holding], group: str | None = None, reindex: bool = True) -> None:
+        """Commit ``holdings`` for ``job`` (adds to what it already holds).
+
+        ``reindex=False`` defers the sorted indexes (bulk loading); call :meth:`rebuild_index` after.
+        """
         if not holdings:
             return
         held = self.holdings.setdefault(job, [])
         for h in holdings:
             held.append(h)
             self.loads[h.gpu].add(h.qos, h.memory, h.compute, h.peak)
-            self._reindex(h.gpu)
+            if reindex:
+                self._reindex(h.gpu)
         if group is not None:
             self.group_of[job] = group
         group = self.group_of.get(job)
@@ -219,11 +224,34 @@ class Ledger:
 
     def matching_count(self, req: SliceRequest) -> int:
         """How many schedulable GPUs match ``req`` statically (ignoring capacity)."""
-        return sum(
-            1
-            for i, g in enumerate(self.gpus)
-            if self.schedulable[i] and matches_static(g, req.features, req.gpu_model)
-        )
+        key = (req.features, req.gpu_model)
+        n = self._count_cache.get(key)
+        if n is None:
+            n = self._count_cache[key] = sum(
+                1
+                for i, g in enumerate(self.gpus)
+                if self.schedulable[i] and matches_static(g, req.features, req.gpu_model)
+            )
+        return n
+
+    def rebuild_index(self) -> None:
+        """Rebuild every sorted index from the loads (after bulk :meth:`reserve` with ``reindex=False``)."""
+        for cls in self._classes.values():
+            cls.empty.clear()
+            for lst in cls.part_g:
+                lst.clear()
+            cls.part_s.clear()
+        n = len(self.gpus)
+        self._key_empty = [None] * n
+        self._key_g = [None] * n
+        self._key_s = [None] * n
+        for i in range(n):
+            self._place_keys(i, sort=False)
+        for cls in self._classes.values():
+            cls.empty.sort()
+            for lst in cls.part_g:
+                lst.sort()
+            cls.part_s.sort()
 
     def candidates(
         self, req: SliceRequest, avoid_nodes: Iterable[str] = (), min_island: int = 0
@@ -281,7 +309,6 @@ class Ledger:
         cls = self._class_of[i]
         if cls is None:
             return
-        load = self.loads[i]
         old = self._key_empty[i]
         if old is not None:
             _remove(cls.empty, old)
@@ -294,20 +321,28 @@ class Ledger:
         if old is not None:
             _remove(cls.part_s, old)
             self._key_s[i] = None
+        self._place_keys(i, sort=True)
+
+    def _place_keys(self, i: int, sort: bool) -> None:
+        cls = self._class_of[i]
+        if cls is None:
+            return
+        load = self.loads[i]
+        put = bisect.insort if sort else list.append
         if load.slices == 0:
             k = (float(load.phys), i)
-            bisect.insort(cls.empty, k)
+            put(cls.empty, k)
             self._key_empty[i] = k
         elif not load.exclusive:
             if load.compute < 1.0 - COMPUTE_EPS:  # no guaranteed slice fits where compute is all taken
                 kg = (float(load.free_guaranteed), i)
                 b = self._bucket_g[i] = _bucket(1.0 - load.compute)
-                bisect.insort(cls.part_g[b], kg)
+                put(cls.part_g[b], kg)
                 self._key_g[i] = kg
             # Shared fit needs headroom >= quota and peak room >= predicted peak (<= quota): keyed
             # by the smaller of the two, a bisection at the predicted peak is exact when peaks are unknown.
             ks = (float(min(load.shared_headroom(self.ratio), load.phys - load.reserved - load.shared_peak)), i)
-            bisect.insort(cls.part_s, ks)
+            put(cls.part_s, ks)
             self._key_s[i] = ks
 
 

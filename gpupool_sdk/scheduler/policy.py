@@ -75,9 +75,8 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig) -> Ledger:
                 continue  # GPU no longer published: nothing left to account on it
             peak = predicted_peak(view, a.memory_bytes, config) if a.mode is QoS.SHARED else a.memory_bytes
             held.append(Holding(i, a.mode, a.memory_bytes, a.compute_share, peak))
-        ledger.reserve(name, held, view.spec.anti_affinity)
-        if view.spec.anti_affinity is not None:
-            ledger.group_of[name] = view.spec.anti_affinity
+        ledger.reserve(name, held, view.spec.anti_affinity, reindex=False)
+    ledger.rebuild_index()
     return ledger
 
 
@@ -136,7 +135,10 @@ class Scheduler:
         proto = handle_protocol(snapshot, ledger, config)
         cyc.decisions.extend(proto.decisions)
         cyc.busy |= proto.busy
-        cyc.busy |= {d.job for d in proto.decisions if isinstance(d, Preempt)}
+        for dec in proto.decisions:
+            if isinstance(dec, Preempt):  # a balloon it could not honour: now it is being preempted
+                cyc.busy.add(dec.job)
+                cyc.preempting[dec.job] = dec.for_job
 
         # Health / drain.
         for p in health_preemptions(snapshot, config, cyc.busy | proto.freed):
@@ -148,7 +150,7 @@ class Scheduler:
         for name in sorted(proto.busy):
             view = snapshot.jobs[name]
             d = view.directive
-            if d is None:
+            if d is None or name in cyc.preempting:
                 continue
             if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
                 cyc.preempting[name] = freeing_for(view)
