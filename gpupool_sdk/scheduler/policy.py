@@ -30,10 +30,12 @@ from gpupool_sdk.scheduler.placement import holdings_for, place
 from gpupool_sdk.scheduler.preempt import (
     Plan,
     VictimIndex,
+    balloon_bound,
     balloon_targets,
     plan_balloon,
     plan_from_freeing,
     plan_preemption,
+    preempt_bound,
     victim_key,
     victim_pool,
 )
@@ -97,7 +99,7 @@ class _Cycle:
     claimed: set[str] = field(default_factory=set)
     attempts: int = 0
     victims: VictimIndex | None = None
-    balloonable: dict[str, int] | None = None
+    balloonable: VictimIndex | None = None
     no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
 
 
@@ -274,15 +276,16 @@ class Scheduler:
         return plan_from_freeing(cyc.ledger, req, pre, bal)
 
     def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
-        if cyc.balloonable is None:
-            cyc.balloonable = balloon_targets(cyc.snapshot.jobs.values(), float("inf"), cyc.config, cyc.busy)
         jobs = cyc.snapshot.jobs
-        targets = {
-            n: t
-            for n, t in cyc.balloonable.items()
-            if n not in cyc.claimed and n not in cyc.busy and jobs[n].spec.priority <= prio
-        }
-        plan = plan_balloon(cyc.ledger, req, targets) if targets else None
+        if cyc.balloonable is None:
+            targets = balloon_targets(jobs.values(), float("inf"), cyc.config, cyc.busy)
+            pool = sorted((jobs[n].spec.priority, n) for n in targets)
+            cyc.balloonable = VictimIndex(cyc.ledger, [(n, p) for p, n in pool], targets)
+        if not cyc.balloonable:
+            return False
+        groups = cyc.balloonable.groups(req, balloon_bound(prio), cyc.busy)
+        assert cyc.balloonable.targets is not None
+        plan = plan_balloon(cyc.ledger, req, cyc.balloonable.targets, groups=groups)
         if plan is None:
             return False
         now = cyc.snapshot.now
@@ -309,7 +312,7 @@ class Scheduler:
         if cyc.victims is None:
             pool = victim_pool(cyc.snapshot.jobs.values(), now, cyc.config, cyc.ledger)
             cyc.victims = VictimIndex(cyc.ledger, [(v.name, v.spec.priority) for v in pool])
-        groups = cyc.victims.groups(req, prio, cyc.busy)
+        groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy)
         plan = plan_preemption(cyc.ledger, req, (), groups=groups) if cyc.victims else None
         if plan is None:
             return False

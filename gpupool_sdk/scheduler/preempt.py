@@ -211,36 +211,38 @@ def _completion_groups(
 
 
 class VictimIndex:
-    """Per-cycle cache of the victim search (the costly part of a cycle on a large pool).
+    """Per-cycle cache of the victim (or balloon) search, the costly part of a cycle on a large pool.
 
     For one slice signature (class, memory, compute, peak, features, model) and one priority
-    threshold, the per-GPU victim prefixes are computed once, over the whole pool, ignoring
-    reservations and anti-affinity; every later search of the cycle with the same signature only
-    re-checks each GPU against the ledger as it is now (reserved for someone else, avoided node,
-    a victim already taken, or a new grant there that makes the prefix insufficient: skipped).
+    bound, the per-GPU prefixes are computed once, over the whole pool, ignoring reservations
+    and anti-affinity; every later search of the cycle with the same signature only re-checks
+    each GPU against the ledger as it is now (reserved for someone else, avoided node, a job
+    already taken, or a new grant there that makes the prefix insufficient: skipped).
 
     Args:
         ledger: the cycle's ledger.
-        pool: ``(job name, priority)`` of every possible victim, in victim order.
+        pool: ``(job name, priority)`` of every candidate, in the order they are to be tried.
+        targets: for balloons, the per-slice byte target of each candidate (None: preemption).
     """
 
-    def __init__(self, ledger: Ledger, pool: Sequence[tuple[str, int]]) -> None:
+    def __init__(self, ledger: Ledger, pool: Sequence[tuple[str, int]], targets: dict[str, int] | None = None) -> None:
         self.ledger = ledger
         self.pool = list(pool)
+        self.targets = targets
         self._cache: dict[tuple[object, ...], list[tuple[int, list[str]]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.pool)
 
-    def groups(self, req: SliceRequest, priority: float, busy: Collection[str]) -> Iterator[list[str]]:
-        """Victim groups for ``req`` from jobs of priority below ``priority`` not in ``busy``, cheapest first."""
-        top = math.ceil(priority) - 1  # highest priority a victim may have (priority < ``priority``)
-        key = (req.qos, req.memory, req.compute, req.peak, req.features, req.gpu_model, top)
+    def groups(self, req: SliceRequest, top_priority: int, busy: Collection[str]) -> Iterator[list[str]]:
+        """Groups for ``req`` among candidates of priority <= ``top_priority`` not in ``busy``, cheapest first."""
+        key = (req.qos, req.memory, req.compute, req.peak, req.features, req.gpu_model, top_priority)
         options = self._cache.get(key)
         ledger = self.ledger
+        targets = self.targets
         if options is None:
-            names = [n for n, p in self.pool if p <= top]
-            options = list(_completion_groups(ledger, req, names, None, respect_blocks=False))
+            names = [n for n, p in self.pool if p <= top_priority]
+            options = list(_completion_groups(ledger, req, names, targets, respect_blocks=False))
             self._cache[key] = options
         avoid: set[str] = set()
         if req.anti_affinity is not None:
@@ -258,8 +260,21 @@ class VictimIndex:
                 for h in ledger.holdings.get(n, ()):
                     if h.gpu == gpu:
                         load.remove(h.qos, h.memory, h.compute, h.peak)
+                        if targets is not None:
+                            t = targets[n]
+                            load.add(h.qos, t, h.compute, min(t, h.peak))
             if fits(load, req, ledger.ratio):
                 yield names
+
+
+def preempt_bound(priority: float) -> int:
+    """Highest base priority a victim of a job with effective ``priority`` may have (strictly lower)."""
+    return math.ceil(priority) - 1
+
+
+def balloon_bound(priority: float) -> int:
+    """Highest base priority a job ballooned for a job with effective ``priority`` may have (not higher)."""
+    return math.floor(priority)
 
 
 def _prune(ledger: Ledger, req: SliceRequest, removed: list[tuple[str, list[Holding]]], gpus: list[int]) -> list[str]:
@@ -299,20 +314,27 @@ def balloon_targets(views: Iterable[JobView], priority: float, config: Scheduler
     return out
 
 
-def plan_balloon(ledger: Ledger, req: SliceRequest, targets: dict[str, int]) -> Plan | None:
+def plan_balloon(
+    ledger: Ledger, req: SliceRequest, targets: dict[str, int], groups: Iterable[list[str]] | None = None
+) -> Plan | None:
     """Shrink shared jobs to their targets if that alone makes ``req`` fit; only the needed ones.
 
     Candidates are tried GPU by GPU (cheapest first, see :func:`_completion_groups`) in doubling
-    batches, like victims.
+    batches, like victims. ``groups`` (from :meth:`VictimIndex.groups` built with targets)
+    replaces the per-call search; ``targets`` must then cover every job it names.
     """
-    groups = (lst for _, lst in _completion_groups(ledger, req, sorted(targets), targets))
+    groups_it: Iterator[list[str]] = (
+        iter(groups)
+        if groups is not None
+        else (lst for _, lst in _completion_groups(ledger, req, sorted(targets), targets))
+    )
     old: dict[str, list[Holding]] = {}
     frees = ledger.frees
     batch = max(1, req.min_count)
     gpus: list[int] | None = None
     try:
         while True:
-            got = list(islice(groups, batch))
+            got = list(islice(groups_it, batch))
             if not got:
                 return None
             for names in got:
