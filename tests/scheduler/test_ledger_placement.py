@@ -143,3 +143,21 @@ def test_build_ledger_counts_allocations_and_skips_unknown_gpus() -> None:
     assert (gl.shared_quota, gl.shared_peak, gl.reserved, gl.compute, gl.slices) == (30 * GiB, 10 * GiB, 20 * GiB, 0.5, 2)
     assert ledger.loads[1].slices == 0 and len(ledger.holdings["q"]) == 1
     assert second.uuid in ledger.index_of
+
+
+def test_bulk_load_then_rebuild_equals_incremental() -> None:
+    spec = "a:4xH100-80GB:nvlink=2x2,b:2xA100-40GB:pcie"
+    held = {
+        "x": [Holding(0, QoS.GUARANTEED, 10 * GiB, 0.25, 10 * GiB), Holding(5, QoS.SHARED, 8 * GiB, 0.0, 4 * GiB)],
+        "y": [Holding(0, QoS.SHARED, 30 * GiB, 0.0, 9 * GiB)],
+        "z": [Holding(2, QoS.EXCLUSIVE, 80 * GiB, 1.0, 80 * GiB)],
+        "w": [Holding(3, QoS.GUARANTEED, 20 * GiB, 0.5, 20 * GiB)],
+    }
+    inc, bulk = ledger_of(spec, 1.5), ledger_of(spec, 1.5)
+    for job_name, hs in held.items():
+        inc.reserve(job_name, hs)
+        bulk.reserve(job_name, hs, reindex=False)
+    bulk.rebuild_index()
+    assert index_state(bulk) == index_state(inc)
+    shared = SliceRequest(job="p", qos=QoS.SHARED, memory=20 * GiB, compute=0.5, peak=5 * GiB)
+    assert list(bulk.candidates(shared)) == list(inc.candidates(shared))

@@ -8,7 +8,16 @@ import pytest
 from sched_helpers import gpus, job, only, run, running, snap
 
 from gpupool_sdk.resources import Directive, DirectiveKind, GiB, JobState, QoS
-from gpupool_sdk.scheduler import Balloon, Grant, Preempt, Queue, SchedulerConfig, SliceRequest, build_ledger
+from gpupool_sdk.scheduler import (
+    Balloon,
+    Grant,
+    Holding,
+    Preempt,
+    Queue,
+    SchedulerConfig,
+    SliceRequest,
+    build_ledger,
+)
 from gpupool_sdk.scheduler.preempt import (
     eligible_victims,
     is_protected,
@@ -192,3 +201,21 @@ def test_grant_after_victim_released_next_cycle() -> None:
     ds2 = run(snap(POOL, [job("high", memory="70GiB", gpus=4, priority=5)], now=NOW + 5))
     g = only(ds2, "high")
     assert isinstance(g, Grant) and len(g.slices) == 4
+
+
+def test_victim_index_cached_search_rechecks_the_ledger() -> None:
+    from gpupool_sdk.scheduler.preempt import VictimIndex, preempt_bound
+
+    views = [r(f"v{i}", [i], priority=i % 2) for i in range(4)]  # v0, v2 priority 0; v1, v3 priority 1
+    ledger = build_ledger(snap(POOL, views, now=NOW), SchedulerConfig())
+    index = VictimIndex(ledger, [("v0", 0), ("v2", 0), ("v1", 1), ("v3", 1)])
+    assert preempt_bound(1.0) == 0 and preempt_bound(1.5) == 1
+    assert list(index.groups(whole(), preempt_bound(1.0), set())) == [["v0"], ["v2"]]
+    assert list(index.groups(whole(), preempt_bound(2.0), {"v0"})) == [["v2"], ["v1"], ["v3"]]
+    ledger.block([2], "someone-else")
+    assert list(index.groups(whole(), preempt_bound(1.0), set())) == [["v0"]]
+    # A grant that lands on GPU 0 after the cache was built makes its prefix insufficient: skipped.
+    ledger.reserve("late", [Holding(0, QoS.GUARANTEED, 20 * GiB, 0.1, 20 * GiB)])
+    assert list(index.groups(whole(), preempt_bound(1.0), set())) == []
+    plan = plan_preemption(ledger, whole(), [], groups=index.groups(whole(), preempt_bound(2.0), set()))
+    assert plan is not None and plan.jobs == ("v1",)
