@@ -212,6 +212,7 @@ def bench_size(n_gpus: int, pending: int, cycles: int = 5) -> dict[str, Any]:
             "decisions": len(decisions),
             "seconds": round(first_s, 4),
             "decisions_per_s": round(len(decisions) / first_s, 1),
+            "grants_and_preemptions_per_s": round((kinds.get("Grant", 0) + kinds.get("Preempt", 0)) / first_s, 1),
             "kinds": kinds,
         },
         "repeated": {
@@ -219,6 +220,11 @@ def bench_size(n_gpus: int, pending: int, cycles: int = 5) -> dict[str, Any]:
             "decisions": total_decisions,
             "seconds": round(total_s, 4),
             "decisions_per_s": round(total_decisions / total_s, 1) if total_s else 0.0,
+            "grants_and_preemptions_per_s": round(
+                (rep_kinds.get("Grant", 0) + rep_kinds.get("Preempt", 0)) / total_s, 1
+            )
+            if total_s
+            else 0.0,
             "kinds": rep_kinds,
         },
     }
@@ -241,16 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
-    print(f"{'gpus':>6} {'cycle decisions':>16} {'cycle s':>8} {'dec/s':>9} {'repeat dec/s':>13}  kinds")
+    print(f"{'gpus':>6} {'cycle decisions':>16} {'cycle s':>8} {'dec/s':>9} {'grant+preempt/s':>16} {'repeat dec/s':>13}  kinds")
     for key, r in res.items():
         if not key.startswith("gpus_"):
             continue
         f, rep = r["first_cycle"], r["repeated"]
         print(
             f"{r['gpus']:>6} {f['decisions']:>16} {f['seconds']:>8.3f} {f['decisions_per_s']:>9.0f} "
+            f"{f['grants_and_preemptions_per_s']:>16.0f} "
             f"{rep['decisions_per_s']:>13.0f}  {f['kinds']}"
         )
-        print(f"{'':>6} repeated {rep['cycles']} cycles: {rep['decisions']} decisions in {rep['seconds']:.3f} s  {rep['kinds']}")
+        print(
+            f"{'':>6} repeated {rep['cycles']} cycles: {rep['decisions']} decisions in {rep['seconds']:.3f} s "
+            f"({rep['grants_and_preemptions_per_s']:.0f} grants+preemptions/s)  {rep['kinds']}"
+        )
     print(f"goal ({res['goal']}): {'met' if res['goal_met'] else 'NOT met'}", file=sys.stderr)
     return 0
 
