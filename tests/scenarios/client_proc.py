@@ -25,7 +25,7 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     spec = JobSpec.from_dict(json.loads(spec_json))
-    timing = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
+    timing = LeaseTiming(ttl_s=5, keepalive_interval_s=1.0, retry_timeout_s=1.5)
     with PoolClient(endpoints=endpoint, prefix=prefix, timing=timing) as pool:
         try:
             lease = pool.acquire(spec, timeout=120)

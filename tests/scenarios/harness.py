@@ -45,7 +45,11 @@ T = TypeVar("T")
 
 COORD_TTL = 3
 LOOP_WAIT = 0.5
-JOB_TIMING = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
+# Leadership is trusted for ttl - retry_timeout = 2.25 s after a renewal: tolerant of a busy machine.
+RETRY_TIMEOUT = 0.75
+# Jobs' and the stand-in agent's leases: long enough that a starved test process (2 shared cores)
+# does not lose them by accident; tests that need a lease to go revoke it.
+JOB_TIMING = LeaseTiming(ttl_s=6, keepalive_interval_s=1.0, retry_timeout_s=2.0)
 DEADLINE = 30.0  # generous bound for conditions that normally hold within a second
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,7 +165,8 @@ class Pool:
         return self._spawn(
             f"coordinator-{cid}",
             ["coordinator", "--endpoints", self.endpoint, "--prefix", self.keys.prefix, "--id", cid,
-             "--ttl", str(COORD_TTL), "--loop-wait", str(LOOP_WAIT), "--log-level", "info", *extra],
+             "--ttl", str(COORD_TTL), "--loop-wait", str(LOOP_WAIT), "--retry-timeout", str(RETRY_TIMEOUT),
+             "--log-level", "info", *extra],
         )
 
     def log(self, name: str) -> str:
@@ -179,14 +184,14 @@ class Pool:
         """Make GPUs appear as an agent with ``--simulate spec`` would; returns their UUIDs in order.
 
         With ``agent`` (and the agent command present) a real ``gpupool agent`` process publishes
-        them (TTL 3 s, refresh 0.5 s, health faults read from ``fault_file``); otherwise the test
+        them (TTL 6 s, refresh 0.5 s, health faults read from ``fault_file``); otherwise the test
         publishes the same records under a lease of its own.
         """
         infos = parse_cluster_spec(spec)
         if agent and self.has_agent():
             extra = ["--fault-file", str(fault_file)] if fault_file is not None else []
             self._spawn(f"agent-{len(self.procs)}", ["agent", "--endpoints", self.endpoint, "--prefix", self.keys.prefix,
-                                                      "--simulate", spec, "--ttl", "3", "--refresh", "0.5", *extra])
+                                                      "--simulate", spec, "--ttl", "6", "--refresh", "0.5", *extra])
             want = {g.uuid for g in infos}
             wait_for(lambda: want <= set(self.gpu_uuids()), what=f"the agent to publish {spec}")
         else:
