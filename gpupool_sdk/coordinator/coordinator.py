@@ -52,9 +52,11 @@ log = logging.getLogger(__name__)
 DEFAULT_USAGE_FLUSH_S = 15.0
 # Usage is accrued at most this often (seconds).
 USAGE_ACCRUE_S = 1.0
-# Keys only the leader puts: their put events need no new cycle (deletes still do: a lease
-# expiring frees slices).
-_LEADER_WRITTEN = frozenset({"jobs.status", "allocations", "directives", "checkpoints", "usage", "term"})
+# Puts that need no new cycle (deletes still do: a lease expiring frees slices). Keys only the
+# leader puts: our own writes (or a deposed leader's, which a new term re-reads anyway). And
+# telemetry, which every job rewrites every few seconds: the next cycle reads it, at the latest
+# loop_wait later, instead of a cycle per report.
+_QUIET_PUTS = frozenset({"jobs.status", "allocations", "directives", "checkpoints", "usage", "term", "telemetry"})
 
 
 @dataclass
@@ -193,9 +195,11 @@ class Coordinator:
                 wake = True
                 continue
             if e.type == "put":
+                if e.prev is not None and e.prev.value == e.kv.value and e.prev.lease == e.kv.lease:
+                    continue  # rewritten unchanged
                 parsed = self.keys.parse(e.kv.key)
-                if parsed is not None and parsed.kind in _LEADER_WRITTEN:
-                    continue  # our own writes (or a deposed leader's, which a new term re-reads anyway)
+                if parsed is not None and parsed.kind in _QUIET_PUTS:
+                    continue
             wake = True
         if wake:
             self._wake.set()
