@@ -28,6 +28,7 @@ other ranks; ``GPUPOOL_CHECKPOINT_DIR`` default checkpoint directory.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import logging
 import os
@@ -125,19 +126,22 @@ def _check_opt_positive(value: Any, name: str) -> float | None:
 class PreemptTiming:
     """How long one preemption took, split into its parts (seconds).
 
+    Directive to ack = ``boundary_wait_s + checkpoint_s + protocol_s``.
+
     Attributes:
-        boundary_wait_s: from the directive becoming visible to this process to the step boundary
-            where it was acted on.
+        boundary_wait_s: from the leader issuing the directive (its ``issued_at``, wall clock) to
+            the step boundary where this job acted on it: etcd propagation plus the rest of the
+            current step.
         checkpoint_s: writing the checkpoint.
-        protocol_s: ack, waiting for the coordinator to take the slices back, and release.
-        ack_s: from the step boundary to the ack handed to the client (excludes the checkpoint).
-        total_s: directive seen to release done.
+        protocol_s: writing the ack (through the client's helper process into etcd).
+        release_s: from the ack to the coordinator taking the slices back, plus the release.
+        total_s: directive issued to release done.
     """
 
     boundary_wait_s: float = 0.0
     checkpoint_s: float = 0.0
     protocol_s: float = 0.0
-    ack_s: float = 0.0
+    release_s: float = 0.0
     total_s: float = 0.0
 
 
@@ -153,17 +157,23 @@ class Decision:
     seq: int = 0
     target: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
+    issued_at: float = 0.0
 
     def to_wire(self) -> dict[str, Any] | None:
         if self.kind is None:
             return None
-        return {"kind": self.kind, "seq": self.seq, "target": dict(self.target), "reason": self.reason}
+        return {"kind": self.kind, "seq": self.seq, "target": dict(self.target), "reason": self.reason,
+                "issued_at": self.issued_at}
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any] | None) -> Decision:
         if not obj:
             return cls()
-        return cls(kind=obj["kind"], seq=int(obj["seq"]), target=dict(obj.get("target", {})), reason=obj.get("reason", ""))
+        return cls(kind=obj["kind"], seq=int(obj["seq"]), target=dict(obj.get("target", {})),
+                   reason=obj.get("reason", ""), issued_at=float(obj.get("issued_at", 0.0)))
+
+
+_CARRY_ON = Decision()
 
 
 class PoolRuntime:
@@ -255,6 +265,9 @@ class PoolRuntime:
         self._optimizers: list[Any] = []
         self._next_publish = 0.0
         self._lost_flag = threading.Event()
+        self._inbox: collections.deque[Directive] = collections.deque()
+        self._inbox_flag = threading.Event()
+        self._watching = False
         self._pid = os.getpid()
         self._closed = False
         self.step = 0
@@ -298,6 +311,11 @@ class PoolRuntime:
         add_cb = getattr(self.lease, "add_lost_callback", None)
         if add_cb is not None:
             add_cb(lambda *a: self._lost_flag.set())
+            if callable(getattr(self.lease, "directives", None)):
+                self._watching = True
+                threading.Thread(
+                    target=self._watch_directives, args=(self.lease,), name="gpupool-directives", daemon=True
+                ).start()
         devices = _visible_devices(self.lease)
         self.slices = max(1, len(devices)) if devices else self.spec.gpus
         if devices:
@@ -356,22 +374,36 @@ class PoolRuntime:
                 close_client()
 
     # -- step boundary -----------------------------------------------------------------------
+    def _watch_directives(self, lease: Any) -> None:
+        # Blocks on the lease's directive queue (no CPU, no GIL while waiting) so that the step
+        # boundary only reads an Event; the thread ends when the lease ends.
+        for d in lease.directives():
+            self._inbox.append(d)
+            self._inbox_flag.set()
+
     def decide(self) -> Decision:
         """Rank 0: what all ranks must do at this step boundary (no I/O: the lease's cached view)."""
         if self.lease is None:
             return Decision()
+        if self._watching and not (self._inbox_flag.is_set() or self._lost_flag.is_set()):
+            return _CARRY_ON
         if self.lease_lost():
             return Decision(kind="lost", reason=self.lost_reason())
-        d: Directive | None = self.lease.poll_directive()
+        d: Directive | None
+        if self._watching:
+            self._inbox_flag.clear()
+            d = self._inbox.popleft() if self._inbox else None
+            if self._inbox:
+                self._inbox_flag.set()
+        else:
+            d = self.lease.poll_directive()
         if d is None or d.seq in self._handled_seqs:
             return Decision()
         self._directive_seen_at.setdefault(d.seq, time.monotonic())
         kind = d.kind
-        if kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
-            return Decision(kind="preempt", seq=d.seq, target=dict(d.target), reason=d.reason)
-        if kind is DirectiveKind.BALLOON:
-            return Decision(kind="balloon", seq=d.seq, target=dict(d.target), reason=d.reason)
-        return Decision(kind="deflate", seq=d.seq, target=dict(d.target), reason=d.reason)
+        name = {DirectiveKind.PREEMPT: "preempt", DirectiveKind.RESIZE: "preempt", DirectiveKind.BALLOON: "balloon"}
+        return Decision(kind=name.get(kind, "deflate"), seq=d.seq, target=dict(d.target), reason=d.reason,
+                        issued_at=float(d.issued_at or 0.0))
 
     def checkpoint_path(self, step: int, tag: str) -> Path:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -388,6 +420,7 @@ class PoolRuntime:
             The checkpoint path.
         """
         boundary = time.monotonic()
+        boundary_wall = time.time()
         path = str(self.checkpoint_path(step, "preempt"))
         # Counted before the save so that the checkpoint carries it.
         self.preemptions += 1
@@ -405,13 +438,16 @@ class PoolRuntime:
                 log.warning("slices of %s not taken back within %.0fs; releasing the lease", self.job, self.release_timeout)
             self.close()
             done = time.monotonic()
-            seen = self._directive_seen_at.get(dec.seq, boundary)
+            if dec.issued_at > 0:
+                waited = max(0.0, boundary_wall - dec.issued_at)
+            else:
+                waited = boundary - self._directive_seen_at.get(dec.seq, boundary)
             self.last_preempt = PreemptTiming(
-                boundary_wait_s=max(0.0, boundary - seen),
+                boundary_wait_s=waited,
                 checkpoint_s=saved - boundary,
-                protocol_s=(acked - saved) + (done - acked),
-                ack_s=acked - saved,
-                total_s=done - seen,
+                protocol_s=acked - saved,
+                release_s=done - acked,
+                total_s=waited + (done - boundary),
             )
         return path
 

@@ -146,6 +146,7 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         )
         self.runtime.acquire()
         self._opt_stepped = False
+        self._world_size = 1
         self._resumable: list[ResumableDataLoader] = []
         self._last_checkpoint: str | None = None
 
@@ -191,6 +192,11 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         return self.runtime.timer
 
     @property
+    def preempt_timing(self) -> Any:
+        """:class:`~gpupool_sdk.integrations._core.PreemptTiming` of the last preemption (rank 0), or None."""
+        return self.runtime.last_preempt
+
+    @property
     def last_checkpoint(self) -> str | None:
         """Path of the last checkpoint this callback wrote (preemption or emergency)."""
         return self._last_checkpoint
@@ -222,6 +228,7 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         for opt in getattr(trainer, "optimizers", []) or []:
             self.runtime.add_optimizer(opt)
+        self._world_size = int(trainer.world_size)
         # A mid-epoch restart skips on_train_epoch_start: collect the loaders here too.
         self._collect_loaders(trainer)
 
@@ -236,7 +243,7 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         rt = self.runtime
         rt.timer.stop(Phase.DATA)
-        if trainer.world_size == 1 and rt.lease_lost():
+        if self._world_size == 1 and rt.lease_lost():
             self._fence(trainer, Decision(kind="lost", reason=rt.lost_reason()))
         for dl in self._resumable:
             dl.mark_consumed(batch_idx + 1, trainer.current_epoch)
@@ -263,11 +270,14 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         # Act only where an optimizer step just finished (not mid gradient-accumulation), and
         # on the same steps on every rank, so the broadcast below pairs up.
         if stepped and step % rt.check_every_n_steps == 0:
-            wire = rt.decide().to_wire() if rt.is_leader else None
-            if trainer.world_size > 1:
-                wire = trainer.strategy.broadcast(wire, src=0)
-            dec = Decision.from_wire(wire)
-            if dec.kind == "lost":
+            if self._world_size > 1:
+                wire = rt.decide().to_wire() if rt.is_leader else None
+                dec = Decision.from_wire(trainer.strategy.broadcast(wire, src=0))
+            else:
+                dec = rt.decide()
+            if dec.kind is None:
+                pass
+            elif dec.kind == "lost":
                 self._fence(trainer, dec)
             elif dec.kind == "preempt":
                 self._preempt(trainer, dec, step)

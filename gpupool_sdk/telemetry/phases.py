@@ -149,8 +149,13 @@ class PhaseTimer:
         began = self._open.pop(phase, None)
         if began is None:
             return 0.0
-        elapsed = max(0.0, self._clock() - began)
-        self._cur[phase] = self._cur.get(phase, 0.0) + elapsed
+        elapsed = self._clock() - began
+        if elapsed < 0.0:
+            elapsed = 0.0
+        cur = self._cur
+        cur[phase] = cur.get(phase, 0.0) + elapsed
+        if not self._use_cuda:
+            return elapsed
         start_ev = self._open_events.pop(phase, None)
         if start_ev is not None:
             import torch
