@@ -3,7 +3,8 @@
 Usage: ``python client_proc.py ENDPOINT PREFIX SPEC_JSON [--ignore-directives]``
 
 Prints ``GRANTED <node>/<gpu_uuid> ...`` once granted, ``DIRECTIVE <kind> <seq>`` for each
-directive, and exits 75 (EX_TEMPFAIL) after a cooperative preemption, 0 on SIGTERM, 3 if rejected.
+directive, and exits 75 (EX_TEMPFAIL) after a cooperative preemption, 0 on SIGTERM, 3 if rejected,
+4 (after printing ``LOST``) when its lease was taken away.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def main() -> int:
                 lease.release()
                 print("PREEMPTED", flush=True)
                 return 75
+        if lease.lost:
+            print(f"LOST {lease.lost_reason}", flush=True)
+            return 4
         lease.release()
     return 0
 

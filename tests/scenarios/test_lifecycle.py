@@ -199,3 +199,15 @@ def test_elastic_job_grows_through_a_resize(pool: Pool) -> None:
     assert len(elastic.allocations()) == 2 and elastic.directive() is None
     assert status.last_checkpoint is not None and status.last_checkpoint.step == 10
     pool.check()
+
+
+def test_real_client_that_ignores_its_preemption_is_revoked_and_knows_it(pool: Pool) -> None:
+    pool.gpus("node-a:1xH100-80GB:pcie")
+    pool.coordinator("c1")
+    deaf = pool.client(JobSpec(name="deaf", gpus=1, qos="exclusive", priority=1, preempt_grace_s=1.0), "--ignore-directives")
+    pool.wait_output(deaf, "GRANTED")
+    urgent = pool.client(JobSpec(name="urgent", gpus=1, qos="exclusive", priority=10))
+    assert deaf.wait(60) == 4, pool.output(deaf)
+    assert "DIRECTIVE preempt" in pool.output(deaf) and "LOST" in pool.output(deaf)
+    pool.wait_output(urgent, "GRANTED")
+    pool.check()
