@@ -14,7 +14,7 @@ What each decision writes (see ``docs/architecture.md``, "The lease protocol"):
 * ``Balloon``: ``directives/{job}`` with the per-slice memory target (the allocations shrink
   when the job acks: ``Shrink``).
 * ``Deflate``: the allocations back to full size and ``directives/{job}`` telling the job, in one
-  transaction; :func:`housekeeping` retires the directive once acked or past its deadline.
+  transaction; :func:`housekeeping` retires the directive once acked.
 * ``Release``: delete allocations and directive, status SUSPENDED (or the decision's state),
   ``checkpoints/{job}`` with the acknowledged checkpoint, ``usage/{job}``.
 * ``Revoke``: ``checkpoints/{job}`` and ``usage/{job}``, then revoke the job's etcd lease.
@@ -370,19 +370,19 @@ def plan(
 
 
 def housekeeping(state: PoolState, keyspace: Keyspace) -> list[Plan]:
-    """Writes no scheduler decision asks for: retire deflate directives once acked or past their deadline.
+    """Writes no scheduler decision asks for: retire deflate directives once acked.
 
     A deflate directive only informs the job that its quota is back (the allocations were already
-    rewritten); left in place it would keep the job from ever being ballooned again.
+    rewritten); left in place it would keep the job from ever being ballooned again. One not acked
+    stays (a preemption may still replace it): the ack's seq is what keeps directive seqs from
+    ever being reused once the directive key is gone.
     """
     plans: list[Plan] = []
-    now = state.snapshot.now
     for job, view in sorted(state.snapshot.jobs.items()):
         d = view.directive
         if d is None or d.kind is not DirectiveKind.DEFLATE:
             continue
-        acked = view.ack is not None and view.ack.seq >= d.seq
-        if acked or now > d.deadline:
+        if view.ack is not None and view.ack.seq >= d.seq:
             meta = state.jobs[job]
             plans.append(Plan(job, "Retire", (DeleteOp(keyspace.directive(job)),), _guard(keyspace, meta)))
     return plans
