@@ -36,6 +36,7 @@ from gpupool_sdk.scheduler.preempt import (
     plan_from_freeing,
     plan_preemption,
     preempt_bound,
+    running_priority,
     victim_key,
     victim_pool,
 )
@@ -280,7 +281,7 @@ class Scheduler:
         if cyc.balloonable is None:
             targets = balloon_targets(jobs.values(), float("inf"), cyc.config, cyc.busy)
             pool = sorted((jobs[n].spec.priority, n) for n in targets)
-            cyc.balloonable = VictimIndex(cyc.ledger, [(n, p) for p, n in pool], targets)
+            cyc.balloonable = VictimIndex(cyc.ledger, [(n, float(p)) for p, n in pool], targets)
         if not cyc.balloonable:
             return False
         groups = cyc.balloonable.groups(req, balloon_bound(prio), cyc.busy)
@@ -311,7 +312,7 @@ class Scheduler:
         now = cyc.snapshot.now
         if cyc.victims is None:
             pool = victim_pool(cyc.snapshot.jobs.values(), now, cyc.config, cyc.ledger)
-            cyc.victims = VictimIndex(cyc.ledger, [(v.name, v.spec.priority) for v in pool])
+            cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, cyc.config)) for v in pool])
         groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy)
         plan = plan_preemption(cyc.ledger, req, (), groups=groups) if cyc.victims else None
         if plan is None:

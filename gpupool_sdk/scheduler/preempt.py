@@ -7,8 +7,9 @@ Three tools, tried in this order by the policy:
 2. :func:`plan_balloon`: shrinking shared jobs to their predicted peak frees enough memory.
 3. :func:`plan_preemption`: a minimal set of lower-priority victims.
 
-Victims are GRANTED jobs without a directive in flight, whose priority is strictly lower than
-the pending job's effective priority, and that are past their minimum guarantee
+Victims are GRANTED jobs without a directive in flight, whose priority is at least one whole
+level below the pending job's effective priority (``priority <= floor(effective) - 1``), and
+that are past their minimum guarantee
 (``max(spec.min_runtime_s, config.min_runtime_s)`` since ``granted_at``). They are tried in
 the order of :func:`victim_key`: shared before guaranteed/exclusive, lowest priority first,
 then least work lost (seconds since the last acknowledged checkpoint, or since the grant, times
@@ -65,6 +66,19 @@ def is_protected(view: JobView, now: float, config: SchedulerConfig) -> bool:
     return now - view.granted_at < min_guarantee_s(view, config)
 
 
+def running_priority(view: JobView, config: SchedulerConfig) -> float:
+    """Effective priority of a granted job: its priority plus the aging credit it had when granted.
+
+    The credit is frozen while it runs (a long run does not make a job unpreemptable), and it is
+    the credit a re-queued job starts from, so a job that waited longer is not preempted by one
+    that waited less.
+    """
+    prio = float(view.spec.priority)
+    if config.aging_s_per_priority > 0 and view.granted_at is not None:
+        prio += max(0.0, view.granted_at - view.queued_at) / config.aging_s_per_priority
+    return prio
+
+
 def victim_key(view: JobView, now: float) -> tuple[int, int, float, int, str]:
     """Sort key of victims: first in this order is preempted first."""
     return (view.spec.qos_class.rank, view.spec.priority, work_lost_s(view, now), -view.order, view.name)
@@ -95,11 +109,14 @@ def eligible_victims(
 ) -> list[JobView]:
     """GRANTED jobs that may be preempted for a job of effective ``priority``, in victim order.
 
-    ``pool`` (from :func:`victim_pool`) saves re-sorting every job for every pending job.
+    Victims are at least one whole level lower (:func:`preempt_bound`), comparing with their
+    :func:`running_priority`. ``pool`` (from
+    :func:`victim_pool`) saves re-sorting every job for every pending job.
     """
     busy_set = busy if isinstance(busy, (set, frozenset)) else set(busy)
     base = pool if pool is not None else victim_pool(jobs, now, config, ledger)
-    return [v for v in base if v.spec.priority < priority and v.name not in busy_set]
+    bound = preempt_bound(priority)
+    return [v for v in base if running_priority(v, config) <= bound and v.name not in busy_set]
 
 
 def plan_preemption(
@@ -221,11 +238,14 @@ class VictimIndex:
 
     Args:
         ledger: the cycle's ledger.
-        pool: ``(job name, priority)`` of every candidate, in the order they are to be tried.
+        pool: ``(job name, priority)`` of every candidate (running priority for victims), in the order
+            they are to be tried.
         targets: for balloons, the per-slice byte target of each candidate (None: preemption).
     """
 
-    def __init__(self, ledger: Ledger, pool: Sequence[tuple[str, int]], targets: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, ledger: Ledger, pool: Sequence[tuple[str, float]], targets: dict[str, int] | None = None
+    ) -> None:
         self.ledger = ledger
         self.pool = list(pool)
         self.targets = targets
@@ -234,8 +254,13 @@ class VictimIndex:
     def __bool__(self) -> bool:
         return bool(self.pool)
 
-    def groups(self, req: SliceRequest, top_priority: int, busy: Collection[str]) -> Iterator[list[str]]:
-        """Groups for ``req`` among candidates of priority <= ``top_priority`` not in ``busy``, cheapest first."""
+    def groups(self, req: SliceRequest, top_priority: float, busy: Collection[str]) -> Iterator[list[str]]:
+        """Groups for ``req`` among candidates of priority <= ``top_priority`` not in ``busy``, cheapest first.
+
+        The bound is rounded down to a quarter level so that searches share the cache (a slightly
+        smaller candidate set, never a larger one).
+        """
+        top_priority = math.floor(top_priority * 4.0) / 4.0
         key = (req.qos, req.memory, req.compute, req.peak, req.features, req.gpu_model, top_priority)
         options = self._cache.get(key)
         ledger = self.ledger
@@ -267,9 +292,13 @@ class VictimIndex:
                 yield names
 
 
-def preempt_bound(priority: float) -> int:
-    """Highest base priority a victim of a job with effective ``priority`` may have (strictly lower)."""
-    return math.ceil(priority) - 1
+def preempt_bound(priority: float) -> float:
+    """Highest running priority a victim of a job with effective ``priority`` may have.
+
+    A whole level lower: ``priority - 1``. Aging thus lets a job preempt one of its own base
+    priority only once it has waited ``aging_s_per_priority`` longer than the victim had.
+    """
+    return priority - 1.0
 
 
 def balloon_bound(priority: float) -> int:

@@ -3,7 +3,7 @@
 For each job with an outstanding directive:
 
 * ``preempt`` acked (``ack.seq == directive.seq``) -> :class:`Release` to SUSPENDED; its slices
-  are free for this cycle.
+  are free for this cycle, held for the job named in ``directive.target["for_job"]`` if any.
 * ``resize`` acked -> :class:`Release` to PENDING; its slices are free and the job is placed
   again in this same cycle with the target slice count (it restarts from its checkpoint).
 * ``balloon`` acked -> :class:`Shrink` to the bytes reached (never above the current quota);
@@ -71,8 +71,7 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
             if acked:
                 assert view.ack is not None
                 where = f" at step {view.ack.step}" + (f", checkpoint {view.ack.checkpoint}" if view.ack.checkpoint else "")
-                ledger.unreserve(name)
-                out.freed.add(name)
+                _free_for(snapshot, ledger, view, out)
                 if d.kind is DirectiveKind.RESIZE:
                     target = int(d.target.get("gpus", view.spec.gpus))
                     out.requeued[name] = target
@@ -82,8 +81,7 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                 else:
                     out.decisions.append(Release(name, JobState.SUSPENDED, f"preempted{where}: {d.reason}".rstrip(": ")))
             elif now > d.deadline:
-                ledger.unreserve(name)
-                out.freed.add(name)
+                _free_for(snapshot, ledger, view, out)
                 out.decisions.append(
                     Revoke(name, f"no ack to {d.kind.value} directive seq {d.seq} by its deadline; lease revoked")
                 )
@@ -131,6 +129,16 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                 out.busy.add(name)
         # DEFLATE: the coordinator restores the quota itself; nothing to decide.
     return out
+
+
+def _free_for(snapshot: ClusterSnapshot, ledger: Ledger, view: JobView, out: ProtocolOutcome) -> None:
+    """Free ``view``'s slices; if they were freed for a pending job, hold them for it this cycle
+    (otherwise an older job could take them and the preemption would have to start again)."""
+    held = ledger.unreserve(view.name)
+    out.freed.add(view.name)
+    who = _for_job(view)
+    if who is not None and who in snapshot.jobs and snapshot.jobs[who].state is JobState.PENDING:
+        ledger.block((h.gpu for h in held), who)
 
 
 def _for_job(view: JobView) -> str | None:

@@ -52,11 +52,12 @@ from dataclasses import replace  # noqa: E402
 
 from sched_helpers import apply, unhealthy  # noqa: E402
 
-from gpupool_sdk.resources import JobState  # noqa: E402
+from gpupool_sdk.resources import Ack, Directive, DirectiveKind, JobState  # noqa: E402
 from gpupool_sdk.scheduler import (  # noqa: E402
     ClusterSnapshot,
     Deflate,
     Preempt,
+    Release,
     Resize,
     Scheduler,
     SchedulerConfig,
@@ -71,22 +72,25 @@ def simulate(
     cycles: int,
     step: float = 10.0,
 ) -> dict[str, float]:
-    """A tiny driver: jobs arrive, get granted, finish after ``run_s``; preempted jobs re-queue. Returns grant times."""
+    """A tiny coordinator: jobs arrive, are granted, finish after ``run_s`` of running; a preempted
+    job gets a directive (with ``for_job``), acks it one cycle later, and once released goes back
+    to the queue keeping its first queue time. Returns each job's first grant time."""
     sched = Scheduler(cfg)
     jobs: dict = {}
     granted_at: dict[str, float] = {}
+    ran: dict[str, float] = {}
     order = 0
     for c in range(cycles):
         now = c * step
         for v in arrivals.get(now, []):
             jobs[v.name] = replace(v, queued_at=now, order=order)
             order += 1
-        # Finish jobs that ran long enough; preempted ones ack and go back to the queue.
         for name, v in list(jobs.items()):
-            if v.state is JobState.GRANTED and v.granted_at is not None and now - v.granted_at >= run_s.get(name, 1e9):
-                del jobs[name]
-            elif v.state is JobState.PREEMPTING:
-                jobs[name] = replace(v, state=JobState.PENDING, allocations=(), granted_at=None)
+            if v.state is JobState.GRANTED and v.granted_at is not None:
+                if ran.get(name, 0.0) + now - v.granted_at >= run_s.get(name, 1e9):
+                    del jobs[name]
+            elif v.directive is not None and v.ack is None:
+                jobs[name] = replace(v, ack=Ack(seq=v.directive.seq, step=1, at=now))
         s = ClusterSnapshot(now=now, gpus=pool, jobs=dict(jobs))
         ds = sched.schedule(s)
         s = apply(s, ds)
@@ -94,8 +98,13 @@ def simulate(
         for d in ds:
             if isinstance(d, Grant):
                 granted_at.setdefault(d.job, now)
-            if isinstance(d, Preempt):
-                jobs[d.job] = replace(jobs[d.job], state=JobState.PREEMPTING)
+            elif isinstance(d, Preempt):
+                directive = Directive(DirectiveKind.PREEMPT, 1, d.deadline, target={"for_job": d.for_job})
+                jobs[d.job] = replace(jobs[d.job], state=JobState.PREEMPTING, directive=directive)
+            elif isinstance(d, Release):
+                v = jobs[d.job]
+                ran[d.job] = ran.get(d.job, 0.0) + now - (v.granted_at or now)
+                jobs[d.job] = replace(v, state=JobState.PENDING, allocations=(), granted_at=None, directive=None, ack=None)
     return granted_at
 
 
@@ -116,6 +125,30 @@ def test_anti_starvation_under_stream_of_higher_priority_arrivals() -> None:
     only_max_wait = SchedulerConfig(aging_s_per_priority=0.0, max_wait_s=200.0, allow_preemption=False)
     got = simulate(pool, arrivals, run_s, only_max_wait, cycles=60)
     assert "low" in got and got["low"] <= 260.0
+    # With preemption on it still runs, and equal-priority jobs do not preempt each other back and forth.
+    preempting = SchedulerConfig(aging_s_per_priority=60.0, min_runtime_s=5.0)
+    got = simulate(pool, arrivals, run_s, preempting, cycles=60)
+    assert "low" in got and got["low"] <= 400.0
+
+
+def test_aged_job_preempts_a_whole_level_lower_and_min_runtime_guards_the_swap() -> None:
+    pool = gpus("a:1xH100-80GB:nvlink")
+    cfg = SchedulerConfig(aging_s_per_priority=60.0, min_runtime_s=0.0)
+    (gpu,) = pool.values()
+    # Running since t=0 without having waited: running priority 0.
+    runner = running(job("runner", memory="70GiB", order=0), [gpu], granted_at=0.0)
+    young = job("young", memory="70GiB", queued_at=100.0, order=1)
+    assert [type(d) for d in run(snap(pool, [runner, young], now=130.0), cfg)] == [Queue]  # half a level: no
+    ds = run(snap(pool, [runner, young], now=161.0), cfg)  # waited > 60 s: a whole level above
+    assert isinstance(only(ds, "runner"), Preempt)
+    # Young runs with the credit it had when granted (61 s = 1.02 levels). The runner comes back
+    # with its first queue time (t=0): its credit includes the time it ran, so it may swap back
+    # once a level above; the minimum run time is what bounds that swapping.
+    young_running = running(young, [gpu], granted_at=161.0)
+    runner_back = replace(job("runner", memory="70GiB", order=0), queued_at=0.0)
+    guarded = SchedulerConfig(aging_s_per_priority=60.0, min_runtime_s=120.0)
+    assert [type(d) for d in run(snap(pool, [young_running, runner_back], now=170.0), guarded)] == [Queue]
+    assert isinstance(only(run(snap(pool, [young_running, runner_back], now=290.0), guarded), "young"), Preempt)
 
 
 def test_reservation_stops_small_jobs_leapfrogging_a_large_one() -> None:

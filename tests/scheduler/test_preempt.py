@@ -80,8 +80,10 @@ def test_eligible_victims_filters() -> None:
         replace(job("pending", memory="1GiB")),
     ]
     assert [v.name for v in eligible_victims(views, 5.0, NOW, cfg)] == ["low"]
-    assert [v.name for v in eligible_victims(views, 5.5, NOW, cfg)] == ["low", "same"]
-    assert eligible_victims(views, 5.5, NOW, cfg, busy={"low", "same"}) == []
+    assert [v.name for v in eligible_victims(views, 5.9, NOW, cfg)] == ["low"]  # a whole level is needed
+    assert [v.name for v in eligible_victims(views, 6.0, NOW, cfg)] == ["low", "same"]
+    assert eligible_victims(views, 6.0, NOW, cfg, busy={"low", "same"}) == []
+    assert [v.name for v in eligible_victims(views, 0.99, NOW, cfg)] == []
 
 
 def whole(count: int = 1) -> SliceRequest:
@@ -209,7 +211,7 @@ def test_victim_index_cached_search_rechecks_the_ledger() -> None:
     views = [r(f"v{i}", [i], priority=i % 2) for i in range(4)]  # v0, v2 priority 0; v1, v3 priority 1
     ledger = build_ledger(snap(POOL, views, now=NOW), SchedulerConfig())
     index = VictimIndex(ledger, [("v0", 0), ("v2", 0), ("v1", 1), ("v3", 1)])
-    assert preempt_bound(1.0) == 0 and preempt_bound(1.5) == 1
+    assert preempt_bound(1.0) == 0 and preempt_bound(1.5) == 0.5 and preempt_bound(2.0) == 1
     assert list(index.groups(whole(), preempt_bound(1.0), set())) == [["v0"], ["v2"]]
     assert list(index.groups(whole(), preempt_bound(2.0), {"v0"})) == [["v2"], ["v1"], ["v3"]]
     ledger.block([2], "someone-else")
