@@ -99,6 +99,7 @@ class _Cycle:
     ballooning: dict[str, tuple[int, str | None]] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)
     attempts: int = 0
+    freeing_by_job: dict[str | None, list[str]] | None = None
     victims: VictimIndex | None = None
     balloonable: VictimIndex | None = None
     no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
@@ -266,14 +267,20 @@ class Scheduler:
         self._queue(cyc, view, reason)
 
     def _plan_waiting(self, cyc: _Cycle, view: JobView, req: SliceRequest) -> Plan | None:
-        pre = sorted(
-            n for n, who in cyc.preempting.items() if (who is None or who == view.name) and n not in cyc.claimed
-        )
-        bal = {
-            n: t for n, (t, who) in cyc.ballooning.items() if (who is None or who == view.name) and n not in cyc.claimed
-        }
-        if not pre and not bal:
+        if cyc.freeing_by_job is None:
+            by_job: dict[str | None, list[str]] = {}
+            for n, who in cyc.preempting.items():
+                by_job.setdefault(who, []).append(n)
+            for n, (_t, who) in cyc.ballooning.items():
+                by_job.setdefault(who, []).append(n)
+            cyc.freeing_by_job = by_job
+        names = [
+            n for n in (*cyc.freeing_by_job.get(None, ()), *cyc.freeing_by_job.get(view.name, ())) if n not in cyc.claimed
+        ]
+        if not names:
             return None
+        pre = sorted(n for n in names if n in cyc.preempting)
+        bal = {n: cyc.ballooning[n][0] for n in names if n in cyc.ballooning and n not in cyc.preempting}
         return plan_from_freeing(cyc.ledger, req, pre, bal)
 
     def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
@@ -303,6 +310,7 @@ class Scheduler:
             cyc.busy.add(name)
             cyc.claimed.add(name)
             cyc.ballooning[name] = (target, view.name)
+            cyc.freeing_by_job = None
             cyc.actions += 1
         cyc.ledger.block(plan.gpus, view.name)
         self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'balloon')} of {', '.join(plan.jobs)}")
@@ -331,6 +339,7 @@ class Scheduler:
             cyc.busy.add(name)
             cyc.claimed.add(name)
             cyc.preempting[name] = view.name
+            cyc.freeing_by_job = None
             cyc.actions += 1
         # Nobody else may take the room being made for this job.
         cyc.ledger.block(plan.gpus, view.name)

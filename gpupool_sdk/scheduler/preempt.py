@@ -257,10 +257,11 @@ class VictimIndex:
     def groups(self, req: SliceRequest, top_priority: float, busy: Collection[str]) -> Iterator[list[str]]:
         """Groups for ``req`` among candidates of priority <= ``top_priority`` not in ``busy``, cheapest first.
 
-        The bound is rounded down to a quarter level so that searches share the cache (a slightly
-        smaller candidate set, never a larger one).
+        The bound is rounded down to a whole level so that searches share the cache (a slightly
+        smaller candidate set, never a larger one: a victim in between becomes eligible as the
+        waiting job ages further).
         """
-        top_priority = math.floor(top_priority * 4.0) / 4.0
+        top_priority = float(math.floor(top_priority))
         key = (req.qos, req.memory, req.compute, req.peak, req.features, req.gpu_model, top_priority)
         options = self._cache.get(key)
         ledger = self.ledger
