@@ -325,6 +325,8 @@ class Coordinator:
                 self.stats.applied[kind] = self.stats.applied.get(kind, 0) + n
             if any(k in report.applied for k in ("Release", "Revoke")) or time.monotonic() - self._last_flush >= self.usage_flush_s:
                 self._flush_usage()
+                if self._ledger is not None:
+                    self._forget_idle(state)
             cycle = CycleReport(
                 term=fence.term,
                 revision=state.revision,
@@ -342,14 +344,25 @@ class Coordinator:
 
     # ------------------------------------------------------------------ usage
 
-    def _seed_ledger(self, state: PoolState) -> UsageLedger:
-        records: list[UsageRecord] = []
-        for job, body in state.usage.items():
+    def _record(self, job: str, state: PoolState) -> UsageRecord | None:
+        """The ledger's record of ``job``, loaded from its ``usage/{job}`` key when not in memory."""
+        assert self._ledger is not None
+        rec = self._ledger.get(job)
+        if rec is None and job in state.usage:
             try:
-                records.append(UsageRecord.from_dict(body, where=f"usage/{job}"))
+                rec = UsageRecord.from_dict(state.usage[job], where=f"usage/{job}")
             except (SpecError, TypeError, ValueError) as exc:
                 log.warning("usage/%s unreadable, restarting its count: %s", job, exc)
-        return UsageLedger.from_records(records)
+                return None
+            self._ledger.records[job] = rec
+        return rec
+
+    def _forget_idle(self, state: PoolState) -> None:
+        """Drop records of jobs that are gone and flushed (``usage/{job}`` keeps them)."""
+        assert self._ledger is not None
+        for job in [j for j in self._ledger.records if j not in self._holding and j not in self._ledger_dirty]:
+            if job not in state.snapshot.jobs:
+                del self._ledger.records[job]
 
     def _charge(self, job: str, allocs: Sequence[Allocation], until_m: float, state: PoolState) -> None:
         """Charge ``job`` for holding ``allocs`` from where it was charged up to, to ``until_m``."""
@@ -359,7 +372,7 @@ class Coordinator:
         dt = max(0.0, until_m - since)
         now_wall = time.time() - max(0.0, time.monotonic() - until_m)
         view = state.snapshot.jobs.get(job)
-        rec = self._ledger.get(job) or UsageRecord.new(
+        rec = self._record(job, state) or UsageRecord.new(
             job, owner=view.spec.owner if view else "", qos=allocs[0].mode if allocs else "guaranteed", now=now_wall - dt
         )
         if view is not None and view.spec.owner and view.spec.owner != rec.owner:
@@ -376,7 +389,7 @@ class Coordinator:
         """
         now_m = time.monotonic()
         if self._ledger is None:
-            self._ledger = self._seed_ledger(state)
+            self._ledger = UsageLedger()  # records load from usage/{job} as jobs are charged
             self._holding.clear()
             self._last_accrual = now_m
         current: dict[str, list[Allocation]] = {}
@@ -395,7 +408,7 @@ class Coordinator:
         for job, cur in current.items():
             if job not in self._holding and job not in self._closed:
                 granted = min((a.granted_at for a in cur if a.granted_at), default=state.snapshot.now)
-                rec = self._ledger.get(job)
+                rec = self._record(job, state)
                 start_wall = max(granted, rec.last_seen if rec is not None else 0.0)
                 self._holding[job] = (tuple(cur), now_m - max(0.0, state.snapshot.now - start_wall))
         if self._last_accrual is None or now_m - self._last_accrual >= USAGE_ACCRUE_S:
@@ -414,7 +427,7 @@ class Coordinator:
         allocs = held[0] if held is not None else view.allocations
         if held is None and view.allocations:
             since_wall = min((a.granted_at for a in view.allocations if a.granted_at), default=now)
-            rec = self._ledger.get(job) if self._ledger is not None else None
+            rec = self._record(job, state)
             since_wall = max(since_wall, rec.last_seen if rec is not None else 0.0)
             self._holding[job] = (view.allocations, time.monotonic() - max(0.0, now - since_wall))
         self._charge(job, allocs, time.monotonic(), state)

@@ -64,6 +64,20 @@ def test_loop_grants_charges_usage_and_resigns_on_stop(store: EtcdStore, running
     got = store.get_record(store.keys.usage("a"), UsageRecord)
     # Held for at least the 1.2 s slept (grant seen to revoke), charged from its grant to its end.
     assert got is not None and got[0].gpu_seconds >= 1.1 and got[1].lease == 0
+    first = got[0].gpu_seconds
+    # The same job name runs again: its account continues from usage/a, it does not restart.
+    time.sleep(0.5)  # several flushes: the ledger forgets the finished job and reloads it from etcd
+    again = store.grant_lease(10)
+    store.create(store.keys.job_spec("a"), JobSpec(name="a", gpus=1, memory="8GiB"), lease=again)
+    _wait(lambda: (s := _status(store, "a")) is not None and s.state is JobState.GRANTED, "the second grant")
+    time.sleep(0.5)
+    store.revoke_lease(again)
+
+    def grew() -> bool:
+        rec = store.get_record(store.keys.usage("a"), UsageRecord)
+        return rec is not None and rec[0].gpu_seconds >= first + 0.4
+
+    _wait(grew, "usage/a to add the second run")
     coord.stop()
     _wait(lambda: store.get(store.keys.leader()) is None, "the leader key to go at stop")
 
