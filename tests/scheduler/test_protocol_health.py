@@ -152,3 +152,23 @@ def test_all_gpus_unschedulable_queues_with_reason() -> None:
     ds = run(snap(POOL, [job("n", memory="10GiB")], cordoned=frozenset(POOL)))
     d = only(ds, "n")
     assert isinstance(d, Queue) and "unhealthy, cordoned or draining" in d.reason
+
+
+def test_room_released_for_a_job_is_held_for_it() -> None:
+    g = gpus("a:1xH100-80GB:nvlink")
+    (gpu,) = g.values()
+    victim = replace(
+        running(job("low", memory="60GiB"), [gpu], state=JobState.PREEMPTING),
+        directive=Directive(DirectiveKind.PREEMPT, seq=1, deadline=50.0, target={"for_job": "big"}),
+        ack=Ack(seq=1, step=7),
+    )
+    # An older, higher job that fits comes first in the queue, but the room was made for "big".
+    old = job("old", memory="10GiB", priority=9, queued_at=0.0, order=0)
+    big = job("big", memory="60GiB", priority=5, queued_at=5.0, order=1)
+    ds = run(snap(g, [victim, old, big], now=10.0))
+    assert isinstance(only(ds, "big"), Grant)
+    assert isinstance(only(ds, "old"), Queue)
+    # Without a for_job the room is anyone's: the queue order decides.
+    anon = replace(victim, directive=Directive(DirectiveKind.PREEMPT, seq=1, deadline=50.0))
+    ds = run(snap(g, [anon, old, big], now=10.0))
+    assert isinstance(only(ds, "old"), Grant)
