@@ -116,6 +116,7 @@ class JobView:
 
     @property
     def name(self) -> str:
+        """The job name (``spec.name``)."""
         return self.spec.name
 
 
