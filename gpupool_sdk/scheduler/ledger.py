@@ -101,6 +101,8 @@ class Ledger:
         self.groups: dict[str, Counter[str]] = {}
         self.group_of: dict[str, str] = {}
         self.blocked: dict[int, str] = {}
+        #: jobs some GPUs are reserved for (a placement failure of another job says nothing about them).
+        self.blocked_jobs: set[str] = set()
         #: bumped whenever capacity is freed; a failed placement stays failed while it is unchanged.
         self.frees = 0
         self._classes: dict[_ClassKey, _ClassIndex] = {}
@@ -204,7 +206,8 @@ class Ledger:
     def block(self, gpus: Iterable[int], for_job: str) -> None:
         """Reserve GPUs for a blocked job: no other job is placed on them this cycle."""
         for i in gpus:
-            self.blocked.setdefault(i, for_job)
+            if self.blocked.setdefault(i, for_job) == for_job:
+                self.blocked_jobs.add(for_job)
 
     # ------------------------------------------------------------------ candidate search
 

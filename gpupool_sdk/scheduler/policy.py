@@ -217,7 +217,7 @@ class Scheduler:
         config = cyc.config
         now = cyc.snapshot.now
         shape = req.shape
-        cached = cyc.fail_cache.get(shape)
+        cached = None if view.name in ledger.blocked_jobs else cyc.fail_cache.get(shape)
         gpus: list[int] | None = None
         if cached is None or cached[0] != ledger.frees:
             gpus = place(ledger, req)
@@ -241,8 +241,9 @@ class Scheduler:
             and cyc.actions < config.max_decisions
             and cyc.attempts < config.max_preemption_attempts
         ):
-            try_balloon = _worth_trying(cyc.no_balloon.get(shape), ledger.frees, prio)
-            try_preempt = _worth_trying(cyc.no_preempt.get(shape), ledger.frees, prio)
+            held_for_it = view.name in ledger.blocked_jobs  # others' failures say nothing about its GPUs
+            try_balloon = held_for_it or _worth_trying(cyc.no_balloon.get(shape), ledger.frees, prio)
+            try_preempt = held_for_it or _worth_trying(cyc.no_preempt.get(shape), ledger.frees, prio)
             if try_balloon or try_preempt:
                 cyc.attempts += 1
             if try_balloon and self._try_balloon(cyc, view, req, prio):

@@ -168,6 +168,10 @@ def test_room_released_for_a_job_is_held_for_it() -> None:
     ds = run(snap(g, [victim, old, big], now=10.0))
     assert isinstance(only(ds, "big"), Grant)
     assert isinstance(only(ds, "old"), Queue)
+    # Same shape: the older job's failure on the held room must not be taken as the answer for "big".
+    same = job("old", memory="60GiB", priority=9, queued_at=0.0, order=0)
+    ds = run(snap(g, [victim, same, big], now=10.0), SchedulerConfig(allow_preemption=False))
+    assert isinstance(only(ds, "big"), Grant) and isinstance(only(ds, "old"), Queue)
     # Without a for_job the room is anyone's: the queue order decides.
     anon = replace(victim, directive=Directive(DirectiveKind.PREEMPT, seq=1, deadline=50.0))
     ds = run(snap(g, [anon, old, big], now=10.0))
