@@ -85,7 +85,7 @@ def test_sigterm_hands_over_at_once(pool: Pool) -> None:
     assert procs[first.id].wait(20) == 0
     # Resigning deletes the leader key: the standby campaigns on the watch event, not after a TTL.
     rec = wait_for(lambda: (r if (r := pool.leader()) is not None and r.id != first.id else None), what="hand-over")
-    assert rec.term == first.term + 1
+    assert rec.term > first.term
     job = pool.submit("after", gpus=1, qos="exclusive")
     assert job.wait_state(JobState.GRANTED).term == rec.term
     pool.check()

@@ -20,10 +20,10 @@ def test_grant_puts_allocations_on_the_jobs_lease(pool: Pool) -> None:
     leader = pool.wait_leader()
     job = pool.submit("bert", gpus=2, memory="30GiB", qos="guaranteed", priority=10)
     status = job.wait_state(JobState.GRANTED)
-    assert status.gpus == 2 and status.term == leader.term
+    assert status.gpus == 2 and status.term >= leader.term  # (a busy machine may have re-elected)
     allocs = job.allocations()
     assert len(allocs) == 2 and {a.memory_bytes for a in allocs} == {30 * GiB}
-    assert all(a.term == leader.term for a in allocs)
+    assert all(a.term == status.term for a in allocs)
     info = pool.store.lease_info(job.lease)
     assert info is not None
     assert {pool.keys.allocation(a.node, a.gpu_uuid, "bert") for a in allocs} <= set(info.keys)
