@@ -3,7 +3,8 @@
 Pending jobs are considered in this order:
 
 1. jobs that waited at least ``max_wait_s`` (starved), longest wait first;
-2. higher *effective priority* first: ``priority + waited_s / aging_s_per_priority``;
+2. higher *effective priority* first: ``priority + waited_s / aging_s_per_priority``, where
+   ``waited_s`` counts time since ``queued_at`` not spent running (:func:`waited_s`);
 3. with ``las_threshold_gpu_s`` set (Tiresias-like least attained service), the priority
    level is the integer part of the effective priority and, within a level, jobs in a lower
    attained-service queue go first;
@@ -19,9 +20,23 @@ from collections.abc import Iterable
 from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
 
 
+def run_s(view: JobView) -> float:
+    """Seconds the job has run in all, estimated from ``attained_gpu_s`` over its slice count."""
+    slices = len(view.allocations) or view.spec.gpus
+    return max(0.0, view.attained_gpu_s) / max(1, slices)
+
+
 def waited_s(view: JobView, now: float) -> float:
-    """Seconds ``view`` has been waiting (never negative)."""
-    return max(0.0, now - view.queued_at)
+    """Seconds ``view`` has spent waiting since ``queued_at`` (never negative).
+
+    Time it ran does not count: a job preempted and queued again keeps its first queue time
+    (``checkpoints/{job}``) but not credit for the time it held GPUs. For a granted job this is the
+    wait it had accumulated when granted, frozen while it runs.
+    """
+    waited = now - view.queued_at - run_s(view)
+    if view.granted_at is not None:
+        waited = min(waited, view.granted_at - view.queued_at)
+    return max(0.0, waited)
 
 
 def effective_priority(view: JobView, now: float, config: SchedulerConfig) -> float:

@@ -321,7 +321,7 @@ class Scheduler:
         now = cyc.snapshot.now
         if cyc.victims is None:
             pool = victim_pool(cyc.snapshot.jobs.values(), now, cyc.config, cyc.ledger)
-            cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, cyc.config)) for v in pool])
+            cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, now, cyc.config)) for v in pool])
         groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy)
         plan = plan_preemption(cyc.ledger, req, (), groups=groups) if cyc.victims else None
         if plan is None:

@@ -27,6 +27,7 @@ from itertools import islice
 from gpupool_sdk.resources import JobState, QoS
 from gpupool_sdk.scheduler.filter import GpuLoad, SliceRequest, fits, predicted_peak
 from gpupool_sdk.scheduler.ledger import Holding, Ledger
+from gpupool_sdk.scheduler.ordering import effective_priority
 from gpupool_sdk.scheduler.placement import place
 from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
 
@@ -66,17 +67,15 @@ def is_protected(view: JobView, now: float, config: SchedulerConfig) -> bool:
     return now - view.granted_at < min_guarantee_s(view, config)
 
 
-def running_priority(view: JobView, config: SchedulerConfig) -> float:
+def running_priority(view: JobView, now: float, config: SchedulerConfig) -> float:
     """Effective priority of a granted job: its priority plus the aging credit it had when granted.
 
     The credit is frozen while it runs (a long run does not make a job unpreemptable), and it is
-    the credit a re-queued job starts from, so a job that waited longer is not preempted by one
-    that waited less.
+    the credit it would have if queued again (time run does not count, see
+    :func:`~gpupool_sdk.scheduler.ordering.waited_s`), so a job that waited longer is not
+    preempted by one that waited less, and the preempted job does not preempt its preemptor back.
     """
-    prio = float(view.spec.priority)
-    if config.aging_s_per_priority > 0 and view.granted_at is not None:
-        prio += max(0.0, view.granted_at - view.queued_at) / config.aging_s_per_priority
-    return prio
+    return effective_priority(view, now, config)
 
 
 def victim_key(view: JobView, now: float) -> tuple[int, int, float, int, str]:
@@ -116,7 +115,7 @@ def eligible_victims(
     busy_set = busy if isinstance(busy, (set, frozenset)) else set(busy)
     base = pool if pool is not None else victim_pool(jobs, now, config, ledger)
     bound = preempt_bound(priority)
-    return [v for v in base if running_priority(v, config) <= bound and v.name not in busy_set]
+    return [v for v in base if running_priority(v, now, config) <= bound and v.name not in busy_set]
 
 
 def plan_preemption(

@@ -23,6 +23,18 @@ def test_effective_priority(priority: int, queued_at: float, now: float, aging: 
     assert effective_priority(view, now, SchedulerConfig(aging_s_per_priority=aging)) == pytest.approx(expected)
 
 
+def test_waited_excludes_time_run() -> None:
+    from dataclasses import replace
+
+    from gpupool_sdk.scheduler.ordering import waited_s
+
+    requeued = replace(job("r", memory="1GiB", gpus=2, queued_at=0.0), attained_gpu_s=2 * 300.0)  # ran 300 s
+    assert waited_s(requeued, 1000.0) == 700.0
+    granted = replace(requeued, granted_at=800.0, attained_gpu_s=2 * 500.0)  # 300 s before, 200 s now
+    assert waited_s(granted, 1000.0) == 500.0  # frozen at its grant: 800 - 300
+    assert waited_s(replace(granted, attained_gpu_s=0.0), 1000.0) == 800.0  # no history: queued until granted
+
+
 def names(views: list, now: float, cfg: SchedulerConfig = CFG) -> list[str]:
     return [v.name for v in order_pending(views, now, cfg)]
 

@@ -131,7 +131,7 @@ def test_anti_starvation_under_stream_of_higher_priority_arrivals() -> None:
     assert "low" in got and got["low"] <= 400.0
 
 
-def test_aged_job_preempts_a_whole_level_lower_and_min_runtime_guards_the_swap() -> None:
+def test_aged_job_preempts_a_whole_level_lower_and_is_not_swapped_back() -> None:
     pool = gpus("a:1xH100-80GB:nvlink")
     cfg = SchedulerConfig(aging_s_per_priority=60.0, min_runtime_s=0.0)
     (gpu,) = pool.values()
@@ -142,13 +142,18 @@ def test_aged_job_preempts_a_whole_level_lower_and_min_runtime_guards_the_swap()
     ds = run(snap(pool, [runner, young], now=161.0), cfg)  # waited > 60 s: a whole level above
     assert isinstance(only(ds, "runner"), Preempt)
     # Young runs with the credit it had when granted (61 s = 1.02 levels). The runner comes back
-    # with its first queue time (t=0): its credit includes the time it ran, so it may swap back
-    # once a level above; the minimum run time is what bounds that swapping.
+    # with its first queue time (t=0) and the 161 GPU-seconds it ran: time run is no credit, so it
+    # has waited 9 s and does not preempt young back.
     young_running = running(young, [gpu], granted_at=161.0)
-    runner_back = replace(job("runner", memory="70GiB", order=0), queued_at=0.0)
+    runner_back = replace(job("runner", memory="70GiB", order=0), queued_at=0.0, attained_gpu_s=161.0)
+    assert [type(d) for d in run(snap(pool, [young_running, runner_back], now=170.0), cfg)] == [Queue]
+    assert [type(d) for d in run(snap(pool, [young_running, runner_back], now=200.0), cfg)] == [Queue]
+    # Without the attained service the snapshot says it waited 200 s: it would swap right back,
+    # which the minimum run time bounds.
+    no_history = replace(runner_back, attained_gpu_s=0.0)
+    assert isinstance(only(run(snap(pool, [young_running, no_history], now=200.0), cfg), "young"), Preempt)
     guarded = SchedulerConfig(aging_s_per_priority=60.0, min_runtime_s=120.0)
-    assert [type(d) for d in run(snap(pool, [young_running, runner_back], now=170.0), guarded)] == [Queue]
-    assert isinstance(only(run(snap(pool, [young_running, runner_back], now=290.0), guarded), "young"), Preempt)
+    assert [type(d) for d in run(snap(pool, [young_running, no_history], now=200.0), guarded)] == [Queue]
 
 
 def test_reservation_stops_small_jobs_leapfrogging_a_large_one() -> None:
