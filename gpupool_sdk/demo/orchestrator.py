@@ -261,6 +261,12 @@ class Demo:
         deadline = self.t0 + self.timeout_s
         self.console.rule("[bold]gpupool demo[/bold]: an elastic GPU pool on loopback")
         ok = False
+
+        def _interrupt(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt
+
+        # The demo owns its process (a CLI command): SIGTERM and SIGINT both mean "stop and clean up".
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             ep = self._start_pool()
             self._wait_for_gpus(ep, deadline)
@@ -307,7 +313,11 @@ class Demo:
         except GpupoolError as exc:
             self.say("demo", f"failed: {exc}", "red")
         finally:
-            self._cleanup()
+            try:
+                self._cleanup()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
         self._summary(ok)
         if self._tmp is not None and ok:
             self._tmp.cleanup()

@@ -36,3 +36,33 @@ def test_demo_preempts_resumes_and_cleans_up(tmp_path: Path) -> None:
     # Every process the demo started is gone: nothing still holds its logs open for writing.
     leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == ""
+
+
+@pytest.mark.slow
+def test_demo_interrupted_stops_every_process_it_started(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    workdir = tmp_path / "demo-int"
+    p = subprocess.Popen([*GPUPOOL, "demo", "--workdir", str(workdir)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert p.stdout is not None
+    endpoint = ""
+    for line in p.stdout:  # interrupt once the jobs are training
+        if "real etcd on " in line:
+            endpoint = line.split("real etcd on ", 1)[1].split()[0]
+        if "training" in line:
+            break
+    assert endpoint
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 1, out
+    assert "interrupted" in out
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        # etcd, coordinator, agent and launchers all carry the endpoint on their command line.
+        left = subprocess.run(["pgrep", "-f", f"{workdir}|{endpoint}"], capture_output=True, text=True).stdout.strip()
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, left
