@@ -40,7 +40,7 @@ from gpupool_sdk.scheduler.preempt import (
     victim_key,
     victim_pool,
 )
-from gpupool_sdk.scheduler.protocol import freeing_for, handle_protocol, preempt_deadline
+from gpupool_sdk.scheduler.protocol import freeing_for, handle_protocol, preempt_deadline, target_int
 from gpupool_sdk.scheduler.reject import reject_reason, summarize
 from gpupool_sdk.scheduler.types import (
     Balloon,
@@ -159,7 +159,7 @@ class Scheduler:
             if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
                 cyc.preempting[name] = freeing_for(view)
             elif d.kind is DirectiveKind.BALLOON and "memory_bytes" in d.target:
-                cyc.ballooning[name] = (int(d.target["memory_bytes"]), freeing_for(view))
+                cyc.ballooning[name] = (target_int(d, "memory_bytes", view.spec.memory_bytes), freeing_for(view))
 
         # Pending jobs: the spec's PENDING jobs plus resized jobs re-placed at their target count.
         pending: list[tuple[JobView, int | None]] = []

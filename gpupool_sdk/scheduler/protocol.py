@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpupool_sdk.resources import DirectiveKind, JobState, QoS
+from gpupool_sdk.resources import Directive, DirectiveKind, JobState, QoS
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import predicted_peak
 from gpupool_sdk.scheduler.ledger import Ledger
@@ -73,7 +73,7 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                 where = f" at step {view.ack.step}" + (f", checkpoint {view.ack.checkpoint}" if view.ack.checkpoint else "")
                 _free_for(snapshot, ledger, view, out)
                 if d.kind is DirectiveKind.RESIZE:
-                    target = int(d.target.get("gpus", view.spec.gpus))
+                    target = target_int(d, "gpus", view.spec.gpus)
                     out.requeued[name] = target
                     out.decisions.append(
                         Release(name, JobState.PENDING, f"resize to {target} GPU(s) acknowledged{where}; re-placing")
@@ -104,7 +104,7 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                 current = max((a.memory_bytes for a in view.allocations), default=view.spec.memory_bytes)
                 reached = view.ack.reached_bytes
                 if reached is None:
-                    reached = int(d.target.get("memory_bytes", current))
+                    reached = target_int(d, "memory_bytes", current)
                 reached = min(reached, current)
                 peak = predicted_peak(view, reached, config)
                 ledger.set_quota(name, reached, peak)
@@ -119,7 +119,7 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                     Preempt(
                         name,
                         f"did not honour balloon seq {d.seq} to "
-                        f"{format_size(int(d.target.get('memory_bytes', 0)))} by its deadline",
+                        f"{format_size(target_int(d, 'memory_bytes', 0))} by its deadline",
                         deadline=preempt_deadline(view, now, config),
                         for_job=_for_job(view),
                     )
@@ -129,6 +129,14 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                 out.busy.add(name)
         # DEFLATE: the coordinator restores the quota itself; nothing to decide.
     return out
+
+
+def target_int(directive: Directive, key: str, default: int) -> int:
+    """``directive.target[key]`` as an int, or ``default`` when absent or malformed (hand-edited keys)."""
+    value = directive.target.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return default
+    return int(value)
 
 
 def _free_for(snapshot: ClusterSnapshot, ledger: Ledger, view: JobView, out: ProtocolOutcome) -> None:

@@ -176,3 +176,12 @@ def test_room_released_for_a_job_is_held_for_it() -> None:
     anon = replace(victim, directive=Directive(DirectiveKind.PREEMPT, seq=1, deadline=50.0))
     ds = run(snap(g, [anon, old, big], now=10.0))
     assert isinstance(only(ds, "old"), Grant)
+
+
+def test_malformed_directive_targets_do_not_break_the_cycle() -> None:
+    view = directed(DirectiveKind.RESIZE, ack_seq=3, target={"gpus": "many"}, gpus=1, max_gpus=2)
+    ds = run(snap(POOL, [view], now=1.0))
+    assert isinstance(ds[0], Release) and isinstance(only(ds[1:], "v"), Grant)
+    bal = directed(DirectiveKind.BALLOON, ack_seq=3, target={"memory_bytes": None}, qos="shared")
+    (d,) = run(snap(POOL, [bal], now=1.0))
+    assert isinstance(d, Shrink) and d.memory_bytes == 30 * GiB
