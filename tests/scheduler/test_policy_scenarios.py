@@ -260,3 +260,13 @@ def test_deflate_when_pressure_is_over() -> None:
     assert isinstance(only(ds, "s"), Deflate)
     other = running(job("g", memory="50GiB", compute_share=0.5), [gpu])
     assert run(snap(pool, [shrunk, other])) == []
+
+
+def test_least_attained_service_goes_first_within_a_level() -> None:
+    pool = gpus("a:1xH100-80GB:nvlink")
+    heavy = replace(job("heavy", memory="70GiB", order=0), attained_gpu_s=50_000.0)
+    fresh = replace(job("fresh", memory="70GiB", order=1), attained_gpu_s=10.0)
+    fifo = run(snap(pool, [heavy, fresh]), SchedulerConfig(aging_s_per_priority=0.0))
+    assert isinstance(only(fifo, "heavy"), Grant)
+    las = run(snap(pool, [heavy, fresh]), SchedulerConfig(aging_s_per_priority=0.0, las_threshold_gpu_s=(3600.0,)))
+    assert isinstance(only(las, "fresh"), Grant) and isinstance(only(las, "heavy"), Queue)
