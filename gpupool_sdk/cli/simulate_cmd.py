@@ -34,6 +34,8 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--las", "las", default="", metavar="GPU_S[,GPU_S...]",
               help="gpupool: least-attained-service queue thresholds (GPU-seconds); empty = off.")
 @click.option("--min-runtime-s", default=0.0, show_default=True, help="gpupool: minimum run time before preemption.")
+@click.option("--max-pending", default=None, type=int, metavar="N",
+              help="gpupool speed knob: show the scheduler only the first N pending jobs (default: all).")
 def simulate(
     trace_path: str,
     cluster: str,
@@ -53,6 +55,7 @@ def simulate(
     untagged_qos: str,
     las: str,
     min_runtime_s: float,
+    max_pending: int | None,
 ) -> None:
     """Simulate a trace on a cluster under several policies and compare them to FIFO.
 
@@ -80,7 +83,8 @@ def simulate(
     )
     mapping = PoolMapping(untagged_qos=untagged_qos, preempt_grace_s=max(60.0, 2 * checkpoint_s))
     report = run_simulation(
-        trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed
+        trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed,
+        max_pending_in_snapshot=max_pending,
     )
     if plot_path:
         write_plot(report, plot_path)

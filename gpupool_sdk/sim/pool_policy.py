@@ -26,6 +26,7 @@ job has run (a job never granted reports no peak).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -36,12 +37,14 @@ from gpupool_sdk.resources import (
     Allocation,
     Directive,
     DirectiveKind,
+    GiB,
     GpuHealth,
     GpuInfo,
     JobSpec,
     JobState,
     QoS,
 )
+from gpupool_sdk.scheduler.ordering import las_queue, order_pending
 from gpupool_sdk.scheduler.policy import Scheduler
 from gpupool_sdk.scheduler.types import ClusterSnapshot, Decision, JobView, SchedulerConfig
 from gpupool_sdk.sim.engine import DONE, PENDING, PREEMPTING, REJECTED, RUNNING, SimJob, Simulator
@@ -94,6 +97,10 @@ class PoolPolicy:
     Args:
         config: the scheduler's knobs (the same object the coordinator takes).
         mapping: trace-to-spec mapping.
+        max_pending_in_snapshot: speed knob for big congested runs: put only the first N pending
+            jobs in the scheduler's own order (priority, LAS queue, FIFO) into each snapshot, plus
+            every granted job. None (default) shows every pending job, as the coordinator does.
+            Jobs further back could only have backfilled; ``docs/simulation.md`` measures the effect.
 
     Example:
         >>> PoolPolicy(SchedulerConfig(overcommit_ratio=1.5)).name
@@ -103,8 +110,22 @@ class PoolPolicy:
     name = "gpupool"
     uses_protocol = True
 
-    def __init__(self, config: SchedulerConfig | None = None, mapping: PoolMapping | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        mapping: PoolMapping | None = None,
+        max_pending_in_snapshot: int | None = None,
+    ) -> None:
+        if max_pending_in_snapshot is not None and max_pending_in_snapshot < 1:
+            raise ConfigError("max_pending_in_snapshot", f"must be >= 1 or None, got {max_pending_in_snapshot}")
         self.config = config or SchedulerConfig()
+        self.max_pending = max_pending_in_snapshot
+        # The scheduler's pending order is static (priority, LAS queue, FIFO) when aging and the
+        # starvation bypass are off; then it can be kept incrementally here.
+        self._static_order = self.config.aging_s_per_priority == 0 and self.config.max_wait_s == 0
+        self._pkey: dict[str, tuple[int, int, int]] = {}
+        self._psorted: list[tuple[int, int, int]] = []
+        self._granted_views: dict[str, JobView] = {}
         self.mapping = mapping or PoolMapping()
         self.scheduler = Scheduler(self.config)
         self.overcommit_ratio = self.config.overcommit_ratio
@@ -123,8 +144,9 @@ class PoolPolicy:
         if spec is None:
             qos, prio = self.mapping.qos_priority(job.tj.priority)
             cap = self.sim.max_gpu_memory
-            memory = min(cap, int(math.ceil(job.demand * self.mapping.memory_request_factor)))
-            memory = max(memory, job.demand, 1)
+            # Users ask memory in whole GiB.
+            memory = int(math.ceil(job.demand * self.mapping.memory_request_factor / GiB)) * GiB
+            memory = max(min(cap, memory), min(cap, job.demand), 1)
             if qos is QoS.EXCLUSIVE:
                 spec = JobSpec(name=job.name, gpus=job.num_gpu, qos=qos, priority=prio, memory=0,
                                min_runtime_s=self.mapping.min_runtime_s, preempt_grace_s=self.mapping.preempt_grace_s)
@@ -157,13 +179,25 @@ class PoolPolicy:
         self._gpus[info.uuid] = replace(info, health=health)
 
     def _on_change(self, job: SimJob) -> None:
+        key = self._pkey.pop(job.name, None)
+        if key is not None:
+            del self._psorted[bisect.bisect_left(self._psorted, key)]
         if job.state in (DONE, REJECTED):
             self._views.pop(job.name, None)
+            self._granted_views.pop(job.name, None)
             self._built_at.pop(job.name, None)
             self._inflight.discard(job.name)
             return
-        self._views[job.name] = self._view(job)
+        view = self._view(job)
+        self._views[job.name] = view
         self._built_at[job.name] = self.sim.now
+        if job.state == PENDING:
+            self._granted_views.pop(job.name, None)
+            key = (-view.spec.priority, las_queue(view, self.config), job.index)
+            self._pkey[job.name] = key
+            bisect.insort(self._psorted, key)
+        else:
+            self._granted_views[job.name] = view
         if job.directive_kind is not None or job.balloon_factor < 1.0 or any(
             m < self.slice_demand(job)[1] for m in job.mems
         ):
@@ -224,8 +258,19 @@ class PoolPolicy:
                 if self._built_at.get(name, now) < stale:
                     self._views[name] = self._view(job)
                     self._built_at[name] = now
+                    self._granted_views[name] = self._views[name]
         self.cycles += 1
-        snapshot = ClusterSnapshot(now=now, gpus=self._gpus, jobs=self._views)
+        jobs: Mapping[str, JobView] = self._views
+        if self.max_pending is not None and len(sim.pending) > self.max_pending:
+            if self._static_order:
+                head = [sim.jobs[idx].name for _, _, idx in self._psorted[: self.max_pending]]
+            else:
+                pend = [self._views[n] for n in sim.pending]
+                head = [v.name for v in order_pending(pend, now, self.config)[: self.max_pending]]
+            jobs = dict(self._granted_views)
+            for name in head:
+                jobs[name] = self._views[name]
+        snapshot = ClusterSnapshot(now=now, gpus=self._gpus, jobs=jobs)
         return self.scheduler.schedule(snapshot)
 
     def next_wakeup(self, sim: Simulator) -> float | None:

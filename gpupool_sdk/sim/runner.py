@@ -30,6 +30,7 @@ def make_policy(
     pool_config: SchedulerConfig | None = None,
     mapping: PoolMapping | None = None,
     tiresias_thresholds: Sequence[float] = (3600.0,),
+    max_pending_in_snapshot: int | None = None,
 ) -> SimPolicy:
     """A fresh policy by name (``fifo``, ``tiresias``, ``gpupool``, ``bestfit``).
 
@@ -41,7 +42,7 @@ def make_policy(
     if name == "tiresias":
         return TiresiasPolicy(thresholds_gpu_s=tiresias_thresholds)
     if name == "gpupool":
-        return PoolPolicy(pool_config or DEFAULT_POOL_CONFIG, mapping)
+        return PoolPolicy(pool_config or DEFAULT_POOL_CONFIG, mapping, max_pending_in_snapshot)
     if name == "bestfit":
         return BestFitPolicy()
     raise ConfigError("policy", f"unknown policy {name!r}; use one of {', '.join(POLICY_NAMES)}")
@@ -80,6 +81,7 @@ def run_simulation(
     mapping: PoolMapping | None = None,
     workload: WorkloadModel | None = None,
     seed: int = 0,
+    max_pending_in_snapshot: int | None = None,
 ) -> SimReport:
     """Simulate ``trace`` on ``cluster`` once per policy (same jobs, same workload draws).
 
@@ -92,6 +94,7 @@ def run_simulation(
         mapping: trace-to-spec mapping for ``gpupool``.
         workload: the workload model (default: Lucid profiles and pairs, seeded with ``seed``).
         seed: seeds profile draws and failures.
+        max_pending_in_snapshot: ``gpupool`` speed knob (see :class:`~gpupool_sdk.sim.pool_policy.PoolPolicy`).
 
     Example:
         >>> report = run_simulation(load_trace("tiresias_60job.csv"), "2*8xV100-32GB", ["fifo", "gpupool"])  # doctest: +SKIP
@@ -110,7 +113,7 @@ def run_simulation(
     for name in policies:
         if name in report.results:
             continue
-        policy = make_policy(name, pool_config, mapping)
+        policy = make_policy(name, pool_config, mapping, max_pending_in_snapshot=max_pending_in_snapshot)
         t0 = time.process_time()
         result = Simulator(trace.jobs, gpus, policy, wl, cfg).run()
         result.wall_s = time.process_time() - t0
