@@ -229,6 +229,9 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         for opt in getattr(trainer, "optimizers", []) or []:
             self.runtime.add_optimizer(opt)
         self._world_size = int(trainer.world_size)
+        device = getattr(pl_module, "device", None)
+        # The timer was built before CUDA existed in this process (the lease comes first).
+        self.runtime.timer.set_cuda_events(getattr(device, "type", "cpu") == "cuda")
         # A mid-epoch restart skips on_train_epoch_start: collect the loaders here too.
         self._collect_loaders(trainer)
 

@@ -130,6 +130,16 @@ class PhaseTimer:
         """True when device phases are timed with CUDA events."""
         return self._use_cuda
 
+    def set_cuda_events(self, enabled: bool) -> bool:
+        """Turn CUDA-event timing of device phases on or off (on only if CUDA is initialised).
+
+        The timer is usually built before the framework initialises CUDA (the lease comes
+        first); the adapter turns events on once the model is on a GPU. Returns the new setting.
+        """
+        self.discard_open()
+        self._use_cuda = self._cuda_wanted(True) if enabled else False
+        return self._use_cuda
+
     # -- recording -------------------------------------------------------------------------
     def start(self, phase: Phase) -> None:
         """Begin timing ``phase`` (a phase already open is restarted)."""

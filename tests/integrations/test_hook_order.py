@@ -38,9 +38,15 @@ class Recorder(pl.Callback):
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, calls: list[str]) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
+        self.calls = calls
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # The callback counts the host-to-device copy in the data phase: it must precede on_train_batch_start.
+        self.calls.append("transfer_batch_to_device")
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -65,8 +71,9 @@ def test_lightning_hook_order_is_what_the_callback_relies_on(tmp_path: Any) -> N
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(Tiny(), DataLoader(ds, batch_size=2))
+    trainer.fit(Tiny(rec.calls), DataLoader(ds, batch_size=2))
     step = [
+        "transfer_batch_to_device",
         "on_train_batch_start",
         "on_before_zero_grad",
         "on_before_backward",

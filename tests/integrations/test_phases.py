@@ -89,6 +89,14 @@ def test_state_dict_round_trip_keeps_lifetime_not_window() -> None:
     assert u.lifetime()["steps"] == 4
 
 
+def test_cuda_events_stay_off_without_cuda() -> None:
+    t = PhaseTimer(use_cuda_events=False)
+    import torch
+
+    assert t.set_cuda_events(True) is bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+    assert t.set_cuda_events(False) is False
+
+
 def test_empty_summary_is_all_zero() -> None:
     s = PhaseTimer(use_cuda_events=False).summary()
     assert s["steps"] == 0 and s["steps_per_s"] == 0.0
@@ -154,9 +162,9 @@ def test_pending_device_steps_are_bounded() -> None:
 def test_cuda_events_on_a_real_gpu() -> None:
     import torch
 
+    t = PhaseTimer(use_cuda_events=False)
     torch.cuda.init()
-    t = PhaseTimer(use_cuda_events=True)
-    assert t.uses_cuda_events
+    assert t.set_cuda_events(True) and t.uses_cuda_events
     x = torch.randn(1024, 1024, device="cuda")
     for _ in range(3):
         with t.phase(Phase.FORWARD):

@@ -50,7 +50,9 @@ def assert_same_weights(a_path: Path, b_path: Path, steps: int = STEPS) -> None:
 def test_preempted_mid_epoch_then_resumed_matches_uninterrupted_run(live_pool: LivePool, tmp_path: Path) -> None:
     live_pool.start("node-a:2xA100-40GB:nvlink")
     base = live_pool.trainer("base", "--name", "base", "--priority", "5", *TRAIN, "--out", str(tmp_path / "base.pt"))
-    low = live_pool.trainer("low", "--name", "low", "--priority", "0", *TRAIN)
+    # The trainer holds the client itself here (pipes and threads to its spawned helper) and forks
+    # DataLoader workers: the fork-safety case.
+    low = live_pool.trainer("low", "--name", "low", "--priority", "0", *TRAIN, "--num-workers", "2")
     client, lease = preempt_with_high_priority_job(live_pool, "low")
     try:
         assert live_pool.wait_exit(low, "low") == 75, live_pool.log("low")
@@ -68,7 +70,8 @@ def test_preempted_mid_epoch_then_resumed_matches_uninterrupted_run(live_pool: L
         lease.release()
         client.close()
     assert live_pool.wait_exit(base, "base") == 0, live_pool.log("base")
-    again = live_pool.trainer("low-2", "--name", "low", "--priority", "0", *TRAIN, "--out", str(tmp_path / "low.pt"))
+    again = live_pool.trainer("low-2", "--name", "low", "--priority", "0", *TRAIN, "--num-workers", "2",
+                              "--out", str(tmp_path / "low.pt"))
     assert live_pool.wait_exit(again, "low-2") == 0, live_pool.log("low-2")
     out = live_pool.log("low-2")
     assert f'"resumed_from": "{ckpt}"' in out and '"preemptions": 1' in out and '"lease_generation": 2' in out
