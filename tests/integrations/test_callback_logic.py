@@ -168,3 +168,14 @@ def test_follower_rank_reads_rank0_grant(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setenv("GPUPOOL_RESUME_FROM", "/x.ckpt")
     pool = GpuPoolCallback(memory="1GiB", name="f", checkpoint_dir=tmp_path)
     assert pool.devices == 2 and pool.resume_from == "/x.ckpt" and pool.runtime.lease is None
+
+
+@pytest.mark.gpu
+def test_cuda_events_time_device_phases_on_a_gpu(tmp_path: Path) -> None:
+    lease = FakeLease("gpu")
+    pool = GpuPoolCallback(memory="1GiB", name="gpu", client=FakeClient(lease), checkpoint_dir=tmp_path)
+    assert pool.accelerator == "gpu"
+    fit(pool, tmp_path, epochs=1)
+    assert pool.phase_timer.uses_cuda_events
+    life = pool.phase_timer.lifetime()
+    assert life["steps"] >= 1 and life["phase_s"]["forward"] > 0
