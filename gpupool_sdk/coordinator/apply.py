@@ -283,6 +283,9 @@ def plan(
         if view.directive is not None and view.directive.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
             return Plan(job, kind)  # one preemption at a time; its deadline stands
         target: dict[str, Any] = {"gpus": decision.gpus} if isinstance(decision, st.Resize) else {}
+        if isinstance(decision, st.Preempt) and decision.for_job:
+            # The scheduler holds the room being freed for this job until the ack (protocol.freeing_for).
+            target["for_job"] = decision.for_job
         directive = Directive(
             kind=dkind,
             seq=_next_seq(state, job),
@@ -312,7 +315,8 @@ def plan(
             kind=dkind,
             seq=_next_seq(state, job),
             deadline=deadline,
-            target={"memory_bytes": target_bytes},
+            target={"memory_bytes": target_bytes}
+            | ({"for_job": decision.for_job} if isinstance(decision, st.Balloon) and decision.for_job else {}),
             reason=decision.reason,
             issued_at=now,
             term=term,

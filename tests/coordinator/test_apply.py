@@ -109,9 +109,16 @@ def test_queue_and_reject_write_only_on_change(status: JobStatus | None, decisio
 @pytest.mark.parametrize(
     ("decision", "kind", "state", "target"),
     [
-        (st.Preempt("j", "for hi", 1060.0, "hi"), DirectiveKind.PREEMPT, JobState.PREEMPTING, {}),
+        (st.Preempt("j", "for hi", 1060.0, "hi"), DirectiveKind.PREEMPT, JobState.PREEMPTING, {"for_job": "hi"}),
+        (st.Preempt("j", "gpu unhealthy", 1060.0), DirectiveKind.PREEMPT, JobState.PREEMPTING, {}),
         (st.Resize("j", 1, "shrink", 1060.0), DirectiveKind.RESIZE, JobState.PREEMPTING, {"gpus": 1}),
         (st.Balloon("j", 4 * GiB, "pressure", 1030.0), DirectiveKind.BALLOON, None, {"memory_bytes": 4 * GiB}),
+        (
+            st.Balloon("j", 4 * GiB, "pressure", 1030.0, for_job="hi"),
+            DirectiveKind.BALLOON,
+            None,
+            {"memory_bytes": 4 * GiB, "for_job": "hi"},
+        ),
     ],
 )
 def test_directives_take_the_next_seq(decision: Any, kind: DirectiveKind, state: JobState | None, target: dict[str, int]) -> None:
