@@ -523,10 +523,31 @@ class PoolRuntime:
             "last_step_at": time.time(),
             "published_at": time.time(),
         }
+        peak = self._memory_peak()
+        if peak is not None:
+            summary["memory_peak_bytes"] = peak
         try:
             self.lease.publish_telemetry(summary)
         except Exception as exc:  # noqa: BLE001 - telemetry must never stop training
             log.debug("publish_telemetry failed: %s", exc)
+
+    def _memory_peak(self) -> int | None:
+        """Peak device memory of this process (reserved bytes), for the coordinator's overcommit model."""
+        stats = getattr(self._balloon, "stats", None)
+        if callable(stats):
+            with contextlib.suppress(Exception):
+                st = stats()
+                for key in ("gpupool_memory_reserved_peak_bytes", "gpupool_memory_reserved_bytes"):
+                    if key in st:
+                        return int(st[key])
+        try:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                return int(torch.cuda.max_memory_reserved())
+        except Exception:  # noqa: BLE001 - replace-mode allocators have no torch stats
+            return None
+        return None
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
