@@ -9,7 +9,7 @@ more steps later with ``Event.query()``, so timing never synchronises the device
 Example:
     >>> from gpupool_sdk.telemetry.phases import Phase, PhaseTimer
     >>> t = PhaseTimer(window=10)
-    >>> t.start(Phase.FORWARD); t.stop(Phase.FORWARD)
+    >>> t.start(Phase.FORWARD); _ = t.stop(Phase.FORWARD)
     >>> t.step_end()
     >>> t.summary()["steps"]
     1
