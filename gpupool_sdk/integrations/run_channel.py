@@ -224,6 +224,7 @@ class RunChannelServer:
         self._srv.listen(4)
         self._srv.settimeout(0.2)
         self._threads: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []
         t = threading.Thread(target=self._accept, name="gpupool-run-accept", daemon=True)
         t.start()
         self._threads.append(t)
@@ -236,6 +237,7 @@ class RunChannelServer:
                 continue
             except OSError:
                 return
+            self._conns.append(conn)
             t = threading.Thread(target=self._serve, args=(conn,), name="gpupool-run-conn", daemon=True)
             t.start()
             self._threads.append(t)
@@ -308,8 +310,11 @@ class RunChannelServer:
             time.sleep(0.02)
 
     def close(self) -> None:
-        """Stop serving and remove the socket file."""
+        """Stop serving, close every connection (the script sees the launcher go) and remove the socket file."""
         self._stop.set()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         try:
             self._srv.close()
         finally:
