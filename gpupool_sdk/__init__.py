@@ -13,7 +13,7 @@ from gpupool_sdk.errors import GpupoolError
 from gpupool_sdk.resources import JobSpec, QoS, Topology
 
 __version__ = "0.1.0"
-__all__ = ["GpupoolError", "JobSpec", "PoolClient", "QoS", "Topology", "__version__"]
+__all__ = ["GpuPoolCallback", "GpupoolError", "JobSpec", "PoolClient", "PoolSession", "QoS", "Topology", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +22,12 @@ def __getattr__(name: str) -> Any:
         from gpupool_sdk.client import PoolClient
 
         return PoolClient
-    raise AttributeError(name)
+    if name == "GpuPoolCallback":  # imports Lightning: only when asked for
+        from gpupool_sdk.integrations.lightning import GpuPoolCallback
+
+        return GpuPoolCallback
+    if name == "PoolSession":
+        from gpupool_sdk.integrations.torch_loop import PoolSession
+
+        return PoolSession
+    raise AttributeError(f"module 'gpupool_sdk' has no attribute {name!r}")
