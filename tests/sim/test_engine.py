@@ -153,3 +153,14 @@ def test_metrics_of_the_fifo_schedule(tmp_path: Path) -> None:
     assert m["mem_util"] == pytest.approx(0.925 * 4 * GiB / (32 * GiB))
     assert m["mem_granted_util"] == pytest.approx(0.925)
     assert m["preemptions"] == 0 and m["finished"] == 5
+
+
+def test_stranded_fraction_counts_free_share_the_next_job_cannot_use(tmp_path: Path) -> None:
+    # 1 GPU under bestfit: p (0.7) runs 0-100; q (0.5) arrives at 1 and cannot use the 0.3 left, so
+    # 0.3 GPU is stranded from 1 to 100; q then runs 100-110. Fraction = 0.3 * 99 / 110.
+    rows = "p,t,0,,,100,1,0.7,,,gpu_mem_gib=4\nq,t,1,,,10,1,0.5,,,gpu_mem_gib=4\n"
+    times, result = _run(tmp_path, rows, BestFitPolicy(), cluster="1xV100-32GB")
+    assert times == {"p": (0.0, 100.0), "q": (100.0, 110.0)}
+    m = compute_metrics(result)
+    assert m["stranded_gpu_fraction"] == pytest.approx(0.3 * 99 / 110)
+    assert m["gpu_alloc_util"] == pytest.approx((0.7 * 100 + 0.5 * 10) / 110)
