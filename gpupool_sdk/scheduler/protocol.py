@@ -6,7 +6,7 @@ For each job with an outstanding directive:
   are free for this cycle, held for the job named in ``directive.target["for_job"]`` if any.
 * ``resize`` acked -> :class:`Release` to PENDING; its slices are free and the job is placed
   again in this same cycle with the target slice count (it restarts from its checkpoint).
-* ``balloon`` acked -> :class:`Shrink` to the bytes reached (never above the current quota);
+* ``balloon`` acked -> :class:`Shrink` to the larger of the target and the bytes reached (never above the current quota);
   an ack that says it could not comply (``ok=False``) -> :class:`Preempt`.
 * ``preempt`` / ``resize`` past the deadline without the ack -> :class:`Revoke` (forced: the
   lease goes, with every key of the job, so its slices are free for this cycle).
@@ -102,10 +102,14 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                     out.busy.add(name)
                     continue
                 current = max((a.memory_bytes for a in view.allocations), default=view.spec.memory_bytes)
+                target = target_int(d, "memory_bytes", current)
                 reached = view.ack.reached_bytes
                 if reached is None:
-                    reached = target_int(d, "memory_bytes", current)
-                reached = min(reached, current)
+                    reached = target
+                # Keep the target even when the job got below it: an offloaded optimizer state is
+                # brought back for each optimizer step, so the job still needs that room at its peak.
+                # Never grow past the current quota.
+                reached = min(max(reached, target), current)
                 peak = predicted_peak(view, reached, config)
                 ledger.set_quota(name, reached, peak)
                 if reached < current:

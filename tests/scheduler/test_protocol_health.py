@@ -78,6 +78,11 @@ def test_release_states_and_shrink_bytes() -> None:
     s = snap(POOL, [directed(DirectiveKind.BALLOON, ack_seq=3, reached=50 * GiB, qos="shared")], now=1.0)
     (d,) = handle_protocol(s, build_ledger(s, cfg), cfg).decisions
     assert isinstance(d, Shrink) and d.memory_bytes == 30 * GiB
+    # An ack below the target keeps the target: the offloaded state comes back for each optimizer step.
+    s = snap(POOL, [directed(DirectiveKind.BALLOON, ack_seq=3, reached=0, target={"memory_bytes": 4 * GiB},
+                             qos="shared")], now=1.0)
+    (d,) = run(s)
+    assert isinstance(d, Shrink) and d.memory_bytes == 4 * GiB
 
 
 def test_acked_preempt_frees_room_for_waiting_job_in_same_cycle() -> None:
@@ -185,3 +190,8 @@ def test_malformed_directive_targets_do_not_break_the_cycle() -> None:
     bal = directed(DirectiveKind.BALLOON, ack_seq=3, target={"memory_bytes": None}, qos="shared")
     (d,) = run(snap(POOL, [bal], now=1.0))
     assert isinstance(d, Shrink) and d.memory_bytes == 30 * GiB
+    # An ack below the target keeps the target: the offloaded state comes back for each optimizer step.
+    s = snap(POOL, [directed(DirectiveKind.BALLOON, ack_seq=3, reached=0, target={"memory_bytes": 4 * GiB},
+                             qos="shared")], now=1.0)
+    (d,) = run(s)
+    assert isinstance(d, Shrink) and d.memory_bytes == 4 * GiB
