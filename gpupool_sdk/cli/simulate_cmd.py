@@ -20,7 +20,7 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--max-jobs", default=None, type=int, help="Keep only the first N GPU jobs by arrival.")
 @click.option("--time-scale", default=1.0, show_default=True, type=float,
               help="Multiply arrival times (0.01 = arrivals 100x denser); durations are kept.")
-@click.option("--source", "sources", multiple=True, help="Keep rows whose source contains this (repeatable).")
+@click.option("--source", "sources", multiple=True, help="Keep rows whose source matches this pattern ('sia_saturn_*'; repeatable).")
 @click.option("--max-duration", default=None, type=float, metavar="SECONDS",
               help="Clip run times (counted as censored).")
 @click.option("--censored", default="keep", show_default=True, type=click.Choice(["keep", "drop"]),

@@ -24,6 +24,7 @@ Rows asking for 0 GPUs (CPU-only pods) are skipped and counted. Rows whose ``sta
 from __future__ import annotations
 
 import csv
+import fnmatch
 import math
 import os
 import random
@@ -273,7 +274,8 @@ def load_trace(
         time_scale: multiply arrival times by this (``0.01`` compresses arrivals 100x, making a
             long trace congested on a small cluster); durations are not scaled.
         censored: ``"keep"`` right-censored rows with their observed (lower-bound) duration, or ``"drop"``.
-        sources: keep only rows whose ``source`` contains one of these substrings (empty = all).
+        sources: keep only rows whose ``source`` matches one of these shell-style patterns
+            (``"sia_philly_workload-1"`` exactly, ``"sia_saturn_*"`` a family; empty = all).
         duration_samples: GPU-time samples to draw missing durations from (default: the Tiresias
             YARN samples, read only if some row needs one).
         application_gpu_hours: overrides :data:`APPLICATION_GPU_HOURS`.
@@ -332,7 +334,7 @@ def load_trace(
             if not job_id:
                 raise r.fail("job_id", "is empty; every row needs an id unique within its source")
             source = r.text("source")
-            if sources and not any(s in source for s in sources):
+            if sources and not any(fnmatch.fnmatchcase(source, pat) for pat in sources):
                 counts["dropped_by_filter"] += 1
                 continue
             key = (source, job_id)

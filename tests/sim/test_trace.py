@@ -86,3 +86,10 @@ def test_duplicate_ids_and_missing_columns_are_rejected(tmp_path: Path) -> None:
         load_trace(_write(tmp_path, "job_id,submit_s\na,0\n"))
     with pytest.raises(TraceError, match="no file"):
         load_trace(tmp_path / "absent.csv")
+
+
+def test_source_patterns_match_whole_names(tmp_path: Path) -> None:
+    text = HEADER + "a,w-1,0,,,10,1,1.0,,,\nb,w-10,0,,,10,1,1.0,,,\nc,v-1,0,,,10,1,1.0,,,\n"
+    path = _write(tmp_path, text)
+    assert [j.job_id for j in load_trace(path, sources=["w-1"]).jobs] == ["a"]
+    assert [j.job_id for j in load_trace(path, sources=["w-*"]).jobs] == ["a", "b"]
