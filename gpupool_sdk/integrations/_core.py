@@ -267,6 +267,11 @@ class PoolRuntime:
         self._lost_flag = threading.Event()
         self._inbox: collections.deque[Directive] = collections.deque()
         self._inbox_flag = threading.Event()
+        # Plain attributes that the lease's threads set (a store is atomic under the GIL), so
+        # that the per-step checks read one attribute instead of calling Event.is_set():
+        # _lost_seen mirrors _lost_flag; _attention is raised with every directive or loss.
+        self._lost_seen = False
+        self._attention = False
         self._watching = False
         self._pid = os.getpid()
         self._closed = False
@@ -310,7 +315,7 @@ class PoolRuntime:
         self.lease_generation += 1
         add_cb = getattr(self.lease, "add_lost_callback", None)
         if add_cb is not None:
-            add_cb(lambda *a: self._lost_flag.set())
+            add_cb(self._on_lease_lost)
             if callable(getattr(self.lease, "directives", None)):
                 self._watching = True
                 threading.Thread(
@@ -348,11 +353,18 @@ class PoolRuntime:
             return max(1, min(self.slices, torch.cuda.device_count()))
         return max(1, self.slices)
 
+    def _on_lease_lost(self, *_: Any) -> None:
+        # Called from the lease's thread.
+        self._lost_flag.set()
+        self._lost_seen = True
+        self._attention = True
+
     def lease_lost(self) -> bool:
-        """True when the lease is gone (cheap: a flag and an attribute read)."""
-        if self.lease is None:
+        """True when the lease is gone (cheap: two attribute reads)."""
+        lease = self.lease
+        if lease is None:
             return False
-        return self._lost_flag.is_set() or bool(getattr(self.lease, "lost", False))
+        return self._lost_seen or bool(getattr(lease, "lost", False))
 
     def lost_reason(self) -> str:
         return str(getattr(self.lease, "lost_reason", "") or "lease revoked or expired")
@@ -380,14 +392,20 @@ class PoolRuntime:
         for d in lease.directives():
             self._inbox.append(d)
             self._inbox_flag.set()
+            self._attention = True
 
     def decide(self) -> Decision:
         """Rank 0: what all ranks must do at this step boundary (no I/O: the lease's cached view)."""
         if self.lease is None:
-            return Decision()
-        if self._watching and not (self._inbox_flag.is_set() or self._lost_flag.is_set()):
             return _CARRY_ON
+        if self._watching:
+            # Between directives this is the whole check: one attribute read, no queue call.
+            if not self._attention:
+                return _CARRY_ON
+            # Lowered before looking, so that a directive or a loss arriving meanwhile raises it again.
+            self._attention = False
         if self.lease_lost():
+            self._attention = True
             return Decision(kind="lost", reason=self.lost_reason())
         d: Directive | None
         if self._watching:
@@ -395,10 +413,11 @@ class PoolRuntime:
             d = self._inbox.popleft() if self._inbox else None
             if self._inbox:
                 self._inbox_flag.set()
+                self._attention = True
         else:
             d = self.lease.poll_directive()
         if d is None or d.seq in self._handled_seqs:
-            return Decision()
+            return _CARRY_ON
         self._directive_seen_at.setdefault(d.seq, time.monotonic())
         kind = d.kind
         name = {DirectiveKind.PREEMPT: "preempt", DirectiveKind.RESIZE: "preempt", DirectiveKind.BALLOON: "balloon"}
@@ -504,13 +523,24 @@ class PoolRuntime:
         self._closed = True  # nothing left to release
         return self.lost_error
 
-    def maybe_publish(self, step: int) -> None:
-        """Hand a telemetry summary to the lease when the interval is up (non-blocking)."""
+    def maybe_publish(self, step: int, now: float | None = None) -> bool:
+        """Hand a telemetry summary to the lease when the interval is up (non-blocking).
+
+        Between publishes this is one comparison: the summary is built only when one is due.
+
+        Args:
+            step: the global step, recorded in the summary.
+            now: a ``time.monotonic()`` reading the caller already took (default: read the clock).
+
+        Returns:
+            True when a summary was built and handed over.
+        """
         if self.lease is None:
-            return
-        now = time.monotonic()
+            return False
+        if now is None:
+            now = time.monotonic()
         if now < self._next_publish:
-            return
+            return False
         self._next_publish = now + self.telemetry_interval_s
         s = self.timer.summary()
         summary = {
@@ -530,6 +560,7 @@ class PoolRuntime:
             self.lease.publish_telemetry(summary)
         except Exception as exc:  # noqa: BLE001 - telemetry must never stop training
             log.debug("publish_telemetry failed: %s", exc)
+        return True
 
     def _memory_peak(self) -> int | None:
         """Peak device memory of this process (reserved bytes), for the coordinator's overcommit model."""

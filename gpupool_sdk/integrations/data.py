@@ -39,8 +39,11 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
 
     def mark_consumed(self, batches: int, epoch: int = 0) -> None:
         """Record that training has consumed ``batches`` batches of epoch ``epoch``."""
-        self.gpupool_consumed = batches
-        self.gpupool_epoch = epoch
+        # Called every step: write the instance dict directly, past DataLoader.__setattr__ (a
+        # Python-level check that guards only the loader's own settings, not these counters).
+        d = self.__dict__
+        d["gpupool_consumed"] = batches
+        d["gpupool_epoch"] = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """How many batches of which epoch training consumed."""

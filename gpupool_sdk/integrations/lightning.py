@@ -29,7 +29,7 @@ from typing import Any
 
 from gpupool_sdk.integrations._core import EX_TEMPFAIL, Decision, PoolLeaseLostError, PoolRuntime
 from gpupool_sdk.integrations.data import ResumableDataLoader
-from gpupool_sdk.telemetry.phases import Phase
+from gpupool_sdk.telemetry.phases import PHASE_INDEX, Phase
 
 log = logging.getLogger("gpupool_sdk.integrations.lightning")
 
@@ -53,6 +53,12 @@ if not _bases:  # pragma: no cover
     )
 
 __all__ = ["EX_TEMPFAIL", "GpuPoolCallback", "PoolLeaseLostError", "ResumableDataLoader"]
+
+# Phase indexes for the timer's hot-path methods (no enum hashing in the per-step hooks).
+_DATA = PHASE_INDEX[Phase.DATA]
+_FORWARD = PHASE_INDEX[Phase.FORWARD]
+_BACKWARD = PHASE_INDEX[Phase.BACKWARD]
+_OPTIMIZER = PHASE_INDEX[Phase.OPTIMIZER]
 
 
 def _loaders(obj: Any) -> list[Any]:
@@ -145,6 +151,8 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
             **spec_fields,
         )
         self.runtime.acquire()
+        # The per-step hooks reach the timer through one attribute (it is never replaced).
+        self._timer = self.runtime.timer
         self._opt_stepped = False
         self._world_size = 1
         self._resumable: list[ResumableDataLoader] = []
@@ -243,30 +251,32 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._collect_loaders(trainer)
 
+    # The per-step hooks below are the hot path: one clock reading per phase boundary, no
+    # allocation, no I/O; the directive check is an attribute read between directives.
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        rt = self.runtime
-        rt.timer.stop(Phase.DATA)
-        if self._world_size == 1 and rt.lease_lost():
+        self._timer.switch(_DATA, _FORWARD)
+        if self._world_size == 1 and self.runtime.lease_lost():
+            rt = self.runtime
             self._fence(trainer, Decision(kind="lost", reason=rt.lost_reason()))
-        for dl in self._resumable:
-            dl.mark_consumed(batch_idx + 1, trainer.current_epoch)
-        rt.timer.start(Phase.FORWARD)
+        if self._resumable:
+            consumed, epoch = batch_idx + 1, trainer.current_epoch
+            for dl in self._resumable:
+                dl.mark_consumed(consumed, epoch)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        self.runtime.timer.stop(Phase.FORWARD)
-        self.runtime.timer.start(Phase.BACKWARD)
+        self._timer.switch(_FORWARD, _BACKWARD)
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        self.runtime.timer.stop(Phase.BACKWARD)
+        self._timer.switch(_BACKWARD, -1)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._opt_stepped = True
-        self.runtime.timer.start(Phase.OPTIMIZER)
+        self._timer.begin(_OPTIMIZER)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         rt = self.runtime
-        rt.timer.stop(Phase.OPTIMIZER)
-        rt.timer.step_end()
+        # The step's end is also the next data phase's start, unless something took time below.
+        now: float | None = self._timer.finish_step(_OPTIMIZER)
         stepped, self._opt_stepped = self._opt_stepped, False
         step = int(trainer.global_step)
         rt.step = step
@@ -287,8 +297,10 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
                 return
             elif dec.kind in ("balloon", "deflate"):
                 rt.balloon(dec, step)
-        rt.maybe_publish(step)
-        rt.timer.start(Phase.DATA)
+                now = None
+        if rt.maybe_publish(step, now):
+            now = None
+        self._timer.begin(_DATA, now)
 
     def _save(self, trainer: Any) -> Any:
         def save(path: str) -> None:

@@ -179,3 +179,44 @@ def test_cuda_events_time_device_phases_on_a_gpu(tmp_path: Path) -> None:
     assert pool.phase_timer.uses_cuda_events
     life = pool.phase_timer.lifetime()
     assert life["steps"] >= 1 and life["phase_s"]["forward"] > 0
+
+
+def test_directive_check_between_directives_reads_a_flag(tmp_path: Path) -> None:
+    from gpupool_sdk.integrations._core import PoolRuntime
+
+    class WatchedLease(FakeLease):
+        def __init__(self, job: str) -> None:
+            super().__init__(job)
+            import queue
+
+            self.q: queue.Queue[Directive] = queue.Queue()
+            self.lost_cbs: list[Any] = []
+
+        def add_lost_callback(self, cb: Any) -> None:
+            self.lost_cbs.append(cb)
+
+        def directives(self) -> Any:
+            while True:
+                yield self.q.get()
+
+    lease = WatchedLease("w")
+    rt = PoolRuntime(memory="1GiB", name="w", client=FakeClient(lease), checkpoint_dir=tmp_path)
+    rt.acquire()
+    try:
+        for _ in range(100):
+            assert rt.decide().kind is None
+        assert lease.polls == 0  # no queue call between directives
+        lease.q.put(Directive(kind=DirectiveKind.BALLOON, seq=4, deadline=0.0, target={"memory_bytes": 1}))
+        lease.q.put(Directive(kind=DirectiveKind.PREEMPT, seq=5, deadline=0.0))
+        deadline = time.monotonic() + 5
+        while len(rt._inbox) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rt.decide().kind == "balloon"
+        assert rt.decide().kind == "preempt"  # the flag stays up while the inbox holds more
+        assert rt.decide().kind is None
+        for cb in lease.lost_cbs:
+            cb("revoked")
+        assert rt.lease_lost() and rt.decide().kind == "lost"
+        assert rt.decide().kind == "lost"
+    finally:
+        rt.close()

@@ -175,3 +175,57 @@ def test_cuda_events_on_a_real_gpu() -> None:
     t.step_end()
     assert t.lifetime()["steps"] == 4
     assert t.lifetime()["phase_s"]["forward"] > 0
+
+
+def test_index_hot_path_matches_phase_api_across_window_laps() -> None:
+    from gpupool_sdk.telemetry.phases import PHASE_INDEX, PHASES
+
+    assert [PHASES[PHASE_INDEX[p]] for p in Phase] == list(Phase)
+    d, f, b, o = (PHASE_INDEX[p] for p in (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER))
+    ca, cb = FakeClock(), FakeClock()
+    by_phase = PhaseTimer(window=3, use_cuda_events=False, clock=ca)
+    by_index = PhaseTimer(window=3, use_cuda_events=False, clock=cb)
+    by_index.begin(d)
+    for i in range(8):  # more than two laps of the 3-step ring
+        durations = {Phase.DATA: 0.1, Phase.FORWARD: 0.2 + i / 100, Phase.BACKWARD: 0.3, Phase.OPTIMIZER: 0.05}
+        run_step(by_phase, ca, durations, gap=0.01)
+        cb.tick(0.1)
+        by_index.switch(d, f)
+        cb.tick(0.2 + i / 100)
+        by_index.switch(f, b)
+        cb.tick(0.3)
+        by_index.switch(b, -1)
+        cb.tick(0.01)
+        by_index.begin(o)
+        cb.tick(0.05)
+        assert by_index.finish_step(o) == cb.t
+        by_index.begin(d, cb.t)
+    sa, sb = by_phase.summary(), by_index.summary()
+    assert sa["steps"] == sb["steps"] == 3
+    assert sb["phase_s"] == pytest.approx(sa["phase_s"])
+    assert sb["step_time_s"] == pytest.approx(sa["step_time_s"])
+    la, lb = by_phase.lifetime(), by_index.lifetime()
+    assert lb["steps"] == la["steps"] == 8
+    assert lb["phase_s"] == pytest.approx(la["phase_s"])
+    assert lb["phase_s"]["forward"] == pytest.approx(sum(0.2 + i / 100 for i in range(8)))
+    assert lb["phase_s"]["other"] == pytest.approx(8 * 0.01)
+    assert by_index.total_s[Phase.BACKWARD] == pytest.approx(8 * 0.3)
+
+
+def test_totals_survive_a_load_in_the_middle_of_a_lap() -> None:
+    clock = FakeClock()
+    t = PhaseTimer(window=4, use_cuda_events=False, clock=clock)
+    for _ in range(6):
+        run_step(t, clock, {Phase.FORWARD: 0.1})
+    state = {"version": 1, "steps": 10, "wall_s": 2.0, "phase_s": {"forward": 1.5, "checkpoint": 0.5}}
+    t.load_state_dict(state)
+    assert t.lifetime()["phase_s"]["forward"] == pytest.approx(1.5)
+    run_step(t, clock, {Phase.FORWARD: 0.1})
+    run_step(t, clock, {Phase.FORWARD: 0.1})
+    run_step(t, clock, {Phase.FORWARD: 0.1})  # completes a lap: the ring is folded into the totals
+    life = t.lifetime()
+    assert life["steps"] == 13
+    assert life["phase_s"]["forward"] == pytest.approx(1.8)
+    assert life["phase_s"]["checkpoint"] == pytest.approx(0.5)
+    t.add(Phase.CHECKPOINT, 0.25, standalone=True)
+    assert t.state_dict()["phase_s"]["checkpoint"] == pytest.approx(0.75)
