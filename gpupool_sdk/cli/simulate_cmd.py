@@ -34,6 +34,8 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--las", "las", default="", metavar="GPU_S[,GPU_S...]",
               help="gpupool: least-attained-service queue thresholds (GPU-seconds); empty = off.")
 @click.option("--min-runtime-s", default=0.0, show_default=True, help="gpupool: minimum run time before preemption.")
+@click.option("--aging-s", default=0.0, show_default=True,
+              help="gpupool: seconds of waiting per priority point (0 = no aging; use with --min-runtime-s).")
 @click.option("--max-pending", default=None, type=int, metavar="N",
               help="gpupool speed knob: show the scheduler only the first N pending jobs (default: all).")
 def simulate(
@@ -55,6 +57,7 @@ def simulate(
     untagged_qos: str,
     las: str,
     min_runtime_s: float,
+    aging_s: float,
     max_pending: int | None,
 ) -> None:
     """Simulate a trace on a cluster under several policies and compare them to FIFO.
@@ -79,7 +82,8 @@ def simulate(
     )
     sim_config = SimConfig(checkpoint_s=checkpoint_s, restart_s=restart_s, failure_mtbf_h=failure_mtbf_h, seed=seed)
     pool_config = replace(
-        DEFAULT_POOL_CONFIG, overcommit_ratio=overcommit, las_threshold_gpu_s=thresholds, min_runtime_s=min_runtime_s
+        DEFAULT_POOL_CONFIG, overcommit_ratio=overcommit, las_threshold_gpu_s=thresholds, min_runtime_s=min_runtime_s,
+        aging_s_per_priority=aging_s,
     )
     mapping = PoolMapping(untagged_qos=untagged_qos, preempt_grace_s=max(60.0, 2 * checkpoint_s))
     report = run_simulation(
