@@ -7,6 +7,7 @@ Exit codes scripts can rely on: 0 success, 1 operation failed (e.g. a fenced wri
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -56,9 +57,23 @@ def output_option(f: F) -> F:
     )(f)
 
 
+def _positive_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    # NaN and infinity pass a plain "> 0" test but make time.sleep raise; refuse them here, as usage errors.
+    if value is not None and not 0 < value < math.inf:
+        raise click.BadParameter(f"must be a finite number of seconds > 0, got {value}")
+    return value
+
+
 def watch_option(f: F) -> F:
     return click.option(
-        "-w", "--watch", "watch_s", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS until Ctrl-C."
+        "-w",
+        "--watch",
+        "watch_s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        callback=_positive_seconds,
+        help="Refresh every SECONDS until Ctrl-C.",
     )(f)
 
 

@@ -18,7 +18,7 @@ import click
 from gpupool_sdk.cli.common import endpoints_option, prefix_option, resolve_endpoints
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator
-from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.errors import ConfigError, StoreUnavailableError
 from gpupool_sdk.scheduler.types import SchedulerConfig
 from gpupool_sdk.store import EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
@@ -26,6 +26,8 @@ from gpupool_sdk.store.keyspace import Keyspace
 
 def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
     """Patroni's default of 10 s, capped so that ``loop_wait + 2 * retry_timeout <= ttl`` holds."""
+    if not (math.isfinite(ttl_s) and math.isfinite(loop_wait_s)):
+        return 10.0  # the timing check that follows rejects the non-finite flag, naming it
     return max(0.1, min(10.0, (math.ceil(ttl_s) - loop_wait_s) / 2))
 
 
@@ -47,7 +49,7 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
 @click.option("--preempt-grace", type=float, default=60.0, show_default=True,
               help="Default seconds a job gets to checkpoint and ack a preemption.")
 @click.option("--no-preemption", is_flag=True, help="Never preempt: jobs only queue.")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve Prometheus metrics on this port.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def coordinator(
     endpoints: str | None,
@@ -88,6 +90,13 @@ def coordinator(
         coord = Coordinator(store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--loop-wait") from None
+    try:
+        # Fail fast (exit 3, naming the endpoint) on a wrong --endpoints, as `gpupool agent` does;
+        # once running, the replica rides out etcd outages.
+        store.revision()
+    except StoreUnavailableError:
+        store.close()
+        raise
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         coord.stop()

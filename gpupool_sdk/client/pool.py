@@ -12,6 +12,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -148,10 +149,10 @@ class PoolClient:
         if timing is not None and not isinstance(timing, LeaseTiming):
             raise ConfigError("timing", f"expected a LeaseTiming, got {type(timing).__name__}")
         self.timing = timing if timing is not None else LeaseTiming.from_env()
-        if not timeout_s > 0:
-            raise ConfigError("timeout_s", f"must be > 0 seconds, got {timeout_s}")
-        if telemetry_interval_s < 0:
-            raise ConfigError("telemetry_interval_s", f"must be >= 0 seconds, got {telemetry_interval_s}")
+        if not 0 < timeout_s < math.inf:
+            raise ConfigError("timeout_s", f"must be a finite number of seconds > 0, got {timeout_s}")
+        if not 0 <= telemetry_interval_s < math.inf:
+            raise ConfigError("telemetry_interval_s", f"must be a finite number of seconds >= 0, got {telemetry_interval_s}")
         self.timeout_s = float(timeout_s)
         self.telemetry_interval_s = float(telemetry_interval_s)
         self.in_process = in_process
@@ -382,8 +383,10 @@ class PoolClient:
         """
         if not isinstance(spec, JobSpec):
             raise ConfigError("spec", f"expected a JobSpec, got {type(spec).__name__}")
-        if timeout is not None and timeout < 0:
-            raise ConfigError("timeout", f"must be >= 0 seconds or None, got {timeout}")
+        if timeout is not None and not 0 <= timeout < math.inf:
+            raise ConfigError(
+                "timeout", f"must be a finite number of seconds >= 0, or None to wait as long as it takes; got {timeout}"
+            )
         if spec.name in self._routes:
             from gpupool_sdk.client.protocol import JobAlreadyRunningError
 

@@ -10,6 +10,7 @@ naming the key and skipped: one hand-edited key never stops the pool.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +111,7 @@ def _peak_from_telemetry(body: Mapping[str, Any] | None) -> int | None:
     for holder in (body, body.get("summary")):
         if isinstance(holder, Mapping):
             v = holder.get("memory_peak_bytes")
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf:
                 return int(v)
     return None
 

@@ -36,5 +36,15 @@ def check(value: Any, typ: type[T] | tuple[type, ...], field: str) -> T:
     return value  # type: ignore[return-value]
 
 
+def strings(value: Any, field: str) -> tuple[str, ...]:
+    """Check ``value`` is a list, tuple or set of strings (a bare string is refused, not split into letters)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise SpecError(field, f"expected a list of strings such as ['bf16'], got {type(value).__name__} {value!r}")
+    for item in value:
+        if not isinstance(item, str):
+            raise SpecError(field, f"expected a list of strings such as ['bf16'], got an item {item!r}")
+    return tuple(value)
+
+
 def _names(types: tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)

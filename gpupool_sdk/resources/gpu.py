@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gpupool_sdk.resources._fields import opt, req
+from gpupool_sdk.resources._fields import opt, req, strings
 from gpupool_sdk.resources.units import format_size
 
 
@@ -128,8 +128,8 @@ class GpuInfo:
             compute_capability=opt(d, "compute_capability", str, where, ""),
             tflops={str(k): float(v) for k, v in opt(d, "tflops", dict, where, {}).items()},
             memory_bandwidth_gbps=opt(d, "memory_bandwidth_gbps", float, where, 0.0),
-            features=tuple(opt(d, "features", list, where, [])),
-            nvlink_peers=tuple(opt(d, "nvlink_peers", list, where, [])),
+            features=strings(opt(d, "features", list, where, []), f"{where}.features"),
+            nvlink_peers=strings(opt(d, "nvlink_peers", list, where, []), f"{where}.nvlink_peers"),
             nvlink_island=opt(d, "nvlink_island", int, where, None),
             pcie_path=opt(d, "pcie_path", str, where, ""),
             numa_node=opt(d, "numa_node", int, where, None),

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gpupool_sdk.errors import SpecError
-from gpupool_sdk.resources._fields import check, opt, req
+from gpupool_sdk.resources._fields import check, opt, req, strings
 from gpupool_sdk.resources.units import format_size, parse_size
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -135,7 +136,7 @@ class JobSpec:
             )
         set_(self, "compute_share", share)
         check(self.priority, int, "priority")
-        set_(self, "features", tuple(sorted(set(check(list(self.features), list, "features")))))
+        set_(self, "features", tuple(sorted(set(strings(self.features, "features")))))
         min_g = self.gpus if self.min_gpus is None else check(self.min_gpus, int, "min_gpus")
         max_g = self.gpus if self.max_gpus is None else check(self.max_gpus, int, "max_gpus")
         if not 1 <= min_g <= self.gpus <= max_g:
@@ -146,8 +147,8 @@ class JobSpec:
         set_(self, "max_gpus", max_g)
         for name in ("min_runtime_s", "preempt_grace_s"):
             v = check(getattr(self, name), float, name)
-            if v < 0:
-                raise SpecError(name, f"must be >= 0 seconds, got {v}")
+            if not 0 <= v < math.inf:
+                raise SpecError(name, f"must be a finite number of seconds >= 0, got {v}")
             set_(self, name, v)
         if self.anti_affinity is not None:
             check(self.anti_affinity, str, "anti_affinity")

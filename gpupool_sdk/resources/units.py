@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from gpupool_sdk.errors import SpecError
@@ -50,6 +51,8 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
     if isinstance(value, bool):
         raise SpecError(field, f"expected a size such as '24GiB', got {value!r}")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise SpecError(field, f"expected a finite size such as '24GiB', got {value!r}")
         if value < 0:
             raise SpecError(field, f"size must be >= 0, got {value!r}")
         return int(value)

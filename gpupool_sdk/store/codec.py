@@ -8,6 +8,7 @@ truncated, from a newer release) raises :class:`~gpupool_sdk.errors.SchemaError`
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -43,6 +44,17 @@ def encode(record: Record | Mapping[str, Any], kind: str | None = None) -> bytes
     return json.dumps({"schema": SCHEMA_VERSION, "kind": k, **body}, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; write a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a number; write a finite number")
+    return value
+
+
 def decode_dict(key: str, raw: bytes | str, keep_kind: bool = False) -> dict[str, Any]:
     """Parse raw bytes into the JSON body (without ``schema``/``kind``), checking the schema version.
 
@@ -50,15 +62,21 @@ def decode_dict(key: str, raw: bytes | str, keep_kind: bool = False) -> dict[str
     own ``kind`` overrides the envelope's when encoded.
     """
     try:
-        obj = json.loads(raw)
+        # Strict JSON: NaN, Infinity and overflowing numbers (which Python's parser accepts) would
+        # reach comparisons and int() conversions far from the key that holds them.
+        obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as exc:
         raise SchemaError(key, f"not valid JSON ({exc}); rewrite it or delete the key") from None
+    except RecursionError:
+        raise SchemaError(key, "not valid JSON (nested too deeply); rewrite it or delete the key") from None
     if not isinstance(obj, dict):
         raise SchemaError(key, f"expected a JSON object, got {type(obj).__name__}; delete the key")
     schema = obj.pop("schema", None)
     if schema != SCHEMA_VERSION:
         raise SchemaError(
-            key, f"schema version {schema!r} is not {SCHEMA_VERSION}; written by another release or by hand"
+            key,
+            f"schema version {schema!r} is not {SCHEMA_VERSION}; written by another release or by hand: upgrade "
+            "gpupool-sdk everywhere if a newer release wrote it, else rewrite it or delete the key",
         )
     if not keep_kind:
         obj.pop("kind", None)
@@ -72,5 +90,5 @@ def decode(key: str, raw: bytes | str, cls: type[R]) -> R:
         return cls.from_dict(body, where=key.rsplit("/", 1)[-1])  # type: ignore[attr-defined,no-any-return]
     except SpecError as exc:
         raise SchemaError(key, f"invalid value: {exc}") from None
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RecursionError) as exc:
         raise SchemaError(key, f"invalid value: {exc}") from None

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from gpupool_sdk.errors import EtcdNotFoundError, GpupoolError
+from gpupool_sdk.errors import ConfigError, EtcdNotFoundError, GpupoolError
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when a listener could bind ``host:port`` now (as etcd would: with ``SO_REUSEADDR``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -227,6 +238,7 @@ class EtcdServer:
 
         Raises:
             EtcdNotFoundError: no etcd binary.
+            ConfigError: the data directory cannot be created, or a port given is already in use.
             EtcdStartError: etcd exited or stayed unhealthy; the message holds its log tail.
         """
         if self.is_running():
@@ -234,7 +246,21 @@ class EtcdServer:
         self._binary = find_etcd_binary()
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="gpupool-etcd-"))
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                "data_dir", f"cannot create {str(self.data_dir)!r} ({exc.strerror}); choose a writable directory (--data-dir)"
+            ) from None
+        if self._fixed_ports:
+            # etcd's /health on a port someone else holds would answer for that other server.
+            for field, flag, port in (("client_port", "--port", self.client_port), ("peer_port", "--peer-port", self.peer_port)):
+                if port and not port_is_free(self.host, port):
+                    raise ConfigError(
+                        field,
+                        f"{self.host}:{port} is already in use (another etcd?); pick another {flag}, or point "
+                        "--endpoints / GPUPOOL_ENDPOINTS at the etcd already listening there",
+                    )
         attempts = 1 if self._fixed_ports else 3
         last: EtcdStartError | None = None
         for _ in range(attempts):
