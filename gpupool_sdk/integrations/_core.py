@@ -272,6 +272,9 @@ class PoolRuntime:
         # _lost_seen mirrors _lost_flag; _attention is raised with every directive or loss.
         self._lost_seen = False
         self._attention = False
+        # True when the lease can only be asked (it takes no lost callback): the per-step check
+        # then reads the lease too; otherwise _lost_seen alone tells (the callback raises it).
+        self._poll_lost = False
         self._watching = False
         self._pid = os.getpid()
         self._closed = False
@@ -314,6 +317,7 @@ class PoolRuntime:
             self.resume_from = ck.path if ck is not None and ck.path and Path(ck.path).exists() else None
         self.lease_generation += 1
         add_cb = getattr(self.lease, "add_lost_callback", None)
+        self._poll_lost = add_cb is None
         if add_cb is not None:
             add_cb(self._on_lease_lost)
             if callable(getattr(self.lease, "directives", None)):

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from gpupool_sdk.integrations._core import EX_TEMPFAIL, Decision, PoolLeaseLostError, PoolRuntime
+from gpupool_sdk.integrations._core import _CARRY_ON, EX_TEMPFAIL, Decision, PoolLeaseLostError, PoolRuntime
 from gpupool_sdk.integrations.data import ResumableDataLoader
 from gpupool_sdk.telemetry.phases import PHASE_INDEX, Phase
 
@@ -255,8 +255,9 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
     # allocation, no I/O; the directive check is an attribute read between directives.
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._timer.switch(_DATA, _FORWARD)
-        if self._world_size == 1 and self.runtime.lease_lost():
-            rt = self.runtime
+        rt = self.runtime
+        # lease_lost(), inlined: a lease that reports its loss through a callback is not asked.
+        if self._world_size == 1 and (rt._lost_seen or (rt._poll_lost and rt.lease_lost())):
             self._fence(trainer, Decision(kind="lost", reason=rt.lost_reason()))
         if self._resumable:
             consumed, epoch = batch_idx + 1, trainer.current_epoch
@@ -278,28 +279,42 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         # The step's end is also the next data phase's start, unless something took time below.
         now: float | None = self._timer.finish_step(_OPTIMIZER)
         stepped, self._opt_stepped = self._opt_stepped, False
-        step = int(trainer.global_step)
-        rt.step = step
+        # trainer.global_step is a chain of Lightning properties (microseconds once training has
+        # evicted the caches): read only where a step number is used. The runtime's step is
+        # brought up to date on those steps.
+        step: int | None = None
+        check = stepped
+        if check and rt.check_every_n_steps != 1:
+            step = rt.step = int(trainer.global_step)
+            check = step % rt.check_every_n_steps == 0
         # Act only where an optimizer step just finished (not mid gradient-accumulation), and
         # on the same steps on every rank, so the broadcast below pairs up.
-        if stepped and step % rt.check_every_n_steps == 0:
+        if check:
             if self._world_size > 1:
                 wire = rt.decide().to_wire() if rt.is_leader else None
                 dec = Decision.from_wire(trainer.strategy.broadcast(wire, src=0))
+            elif rt._watching and not rt._attention:
+                # decide()'s own first test, inlined: no directive and no loss since the last look.
+                dec = _CARRY_ON
             else:
                 dec = rt.decide()
-            if dec.kind is None:
-                pass
-            elif dec.kind == "lost":
-                self._fence(trainer, dec)
-            elif dec.kind == "preempt":
-                self._preempt(trainer, dec, step)
-                return
-            elif dec.kind in ("balloon", "deflate"):
-                rt.balloon(dec, step)
+            if dec.kind is not None:
+                if step is None:
+                    step = rt.step = int(trainer.global_step)
+                if dec.kind == "lost":
+                    self._fence(trainer, dec)
+                elif dec.kind == "preempt":
+                    self._preempt(trainer, dec, step)
+                    return
+                elif dec.kind in ("balloon", "deflate"):
+                    rt.balloon(dec, step)
+                    now = None
+        # maybe_publish's interval test, inlined; the summary is built only when one is due.
+        if rt.lease is not None and (now is None or now >= rt._next_publish):
+            if step is None:
+                step = rt.step = int(trainer.global_step)
+            if rt.maybe_publish(step, now):
                 now = None
-        if rt.maybe_publish(step, now):
-            now = None
         self._timer.begin(_DATA, now)
 
     def _save(self, trainer: Any) -> Any:

@@ -249,7 +249,20 @@ class PhaseTimer:
         else:
             wall = claimed
         self._step_started = now
-        self._commit_cur(wall)
+        # _commit_cur, inlined: this runs every step, between kernels that evict the caches,
+        # where every extra frame and object touched costs microseconds.
+        pos = self._ring_pos
+        ring = self._ring
+        self._cur = ring[pos]
+        ring[pos] = cur
+        self._cur[:] = _ZEROS
+        self._ring_wall[pos] = wall
+        self.total_steps += 1
+        self.total_wall_s += wall
+        if pos + 1 == self.window or self._ring_len < self.window:
+            self._advance(pos)
+        else:
+            self._ring_pos = pos + 1
         return now
 
     # -- recording: by Phase ---------------------------------------------------------------
