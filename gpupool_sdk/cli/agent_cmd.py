@@ -20,7 +20,7 @@ import click
 from gpupool_sdk.agent.agent import NodeAgent, run_agents
 from gpupool_sdk.agent.signals import install_stop_handlers
 from gpupool_sdk.cli.common import endpoints_option, prefix_option, resolve_endpoints
-from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.config import KEEPALIVE_ENV, LEASE_TTL_ENV, RETRY_TIMEOUT_ENV, LeaseTiming
 from gpupool_sdk.errors import ConfigError, SpecError
 from gpupool_sdk.inventory.base import InventoryBackend, simulated_backends
 from gpupool_sdk.inventory.health import DEFAULT_MAX_TEMPERATURE_C, HealthThresholds
@@ -127,7 +127,9 @@ def agent(
     try:
         timing = timing_for_ttl(ttl_s)
     except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="--ttl") from None
+        # Without --ttl the timing comes from the environment: name the variables, not only the flag.
+        hint = "--ttl" if ttl_s is not None else f"${LEASE_TTL_ENV} / ${KEEPALIVE_ENV} / ${RETRY_TIMEOUT_ENV} (or pass --ttl)"
+        raise click.BadParameter(str(exc), param_hint=hint) from None
     try:
         thresholds = HealthThresholds(max_temperature_c=max_temperature_c)
     except ConfigError as exc:

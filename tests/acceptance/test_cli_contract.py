@@ -127,6 +127,10 @@ def test_agent_refuses_a_malformed_simulate_spec_and_bad_flags() -> None:
          ["memory", "'lots'", "24GiB"]),
     ]
     _check_table(rows)
+    # Timing from the environment that breaks keepalive + 2 * retry <= ttl: the variables are named.
+    r = gpupool("agent", "--simulate", "1xT4", "--endpoints", DEAD_ENDPOINT, env={"GPUPOOL_KEEPALIVE_INTERVAL": "9"})
+    assert r.returncode == EXIT_USAGE and "Traceback" not in r.stderr, explain(r)
+    assert "$GPUPOOL_KEEPALIVE_INTERVAL" in r.stderr and "9 + 2 * 3 = 15 exceeds ttl_s = 10" in r.stderr, explain(r)
 
 
 def test_an_unknown_gpu_model_lists_the_known_ones(tmp_path: Path) -> None:
