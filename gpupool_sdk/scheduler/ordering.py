@@ -7,7 +7,8 @@ Pending jobs are considered in this order:
    ``waited_s`` counts time since ``queued_at`` not spent running (:func:`waited_s`);
 3. with ``las_threshold_gpu_s`` set (Tiresias-like least attained service), the priority
    level is the integer part of the effective priority and, within a level, jobs in a lower
-   attained-service queue go first;
+   attained-service queue go first (:func:`las_rank`: the queue of ``attained_gpu_s``, or 0
+   for a job promoted after waiting ``las_promote_after_factor`` times its run so far);
 4. FIFO by ``JobView.order``, then by name.
 """
 
@@ -59,14 +60,35 @@ def las_queue(view: JobView, config: SchedulerConfig) -> int:
     return bisect.bisect_right(config.las_threshold_gpu_s, view.attained_gpu_s)
 
 
+def las_rank(view: JobView, now: float, config: SchedulerConfig) -> int:
+    """The LAS queue ``view`` competes in: :func:`las_queue`, or 0 while it is promoted.
+
+    Tiresias' starvation promotion: a job whose wait (:func:`waited_s`) reached
+    ``las_promote_after_factor`` times its run so far (:func:`run_s`) is back in queue 0. A granted
+    job's wait is frozen at its grant, so a promoted job keeps queue 0 while it runs until its
+    run exceeds that wait over the factor, then returns to its attained-service queue.
+    """
+    queue = las_queue(view, config)
+    factor = config.las_promote_after_factor
+    if queue and factor > 0 and waited_s(view, now) >= factor * run_s(view):
+        return 0
+    return queue
+
+
+def las_level(priority: float) -> int:
+    """The priority level LAS ranks within: the integer part of an effective priority."""
+    return math.floor(priority)
+
+
 def sort_key(view: JobView, now: float, config: SchedulerConfig) -> tuple[float, float, int, float, int, str]:
     """The key :func:`order_pending` sorts by (smaller goes first)."""
     waited = waited_s(view, now)
     starved = is_starved(view, now, config)
     prio = effective_priority(view, now, config)
     if config.las_threshold_gpu_s:
-        level = float(math.floor(prio))
-        return (0.0 if starved else 1.0, -waited if starved else -level, las_queue(view, config), -prio, view.order, view.name)
+        level = float(las_level(prio))
+        rank = las_rank(view, now, config)
+        return (0.0 if starved else 1.0, -waited if starved else -level, rank, -prio, view.order, view.name)
     return (0.0 if starved else 1.0, -waited if starved else -prio, 0, 0.0, view.order, view.name)
 
 

@@ -9,7 +9,8 @@ capacity ledger with reserve / un-reserve):
 4. reject: specs no GPU of the pool could ever satisfy -> Reject (:mod:`.reject`);
 5. ordering: pending jobs by starvation, effective priority, LAS queue, FIFO (:mod:`.ordering`);
 6. per pending job: filter + score (:mod:`.filter`, :mod:`.placement`) -> reserve -> Grant;
-   else wait for capacity already being freed, else Balloon, else Preempt (:mod:`.preempt`),
+   else wait for capacity already being freed, else Balloon, else Preempt lower-priority jobs
+   or, with LAS, same-level jobs in a higher attained-service queue (:mod:`.preempt`),
    else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
 7. when nothing is left waiting: Deflate ballooned jobs, Resize elastic jobs up.
 
@@ -25,13 +26,15 @@ from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import SliceRequest, predicted_peak, request_for, unschedulable_reason
 from gpupool_sdk.scheduler.health import health_preemptions
 from gpupool_sdk.scheduler.ledger import Holding, Ledger
-from gpupool_sdk.scheduler.ordering import effective_priority, order_pending, waited_s
+from gpupool_sdk.scheduler.ordering import effective_priority, las_rank, order_pending, waited_s
 from gpupool_sdk.scheduler.placement import holdings_for, place
 from gpupool_sdk.scheduler.preempt import (
     Plan,
     VictimIndex,
     balloon_bound,
     balloon_targets,
+    las_bound,
+    las_standing,
     plan_balloon,
     plan_from_freeing,
     plan_preemption,
@@ -242,18 +245,21 @@ class Scheduler:
             and cyc.attempts < config.max_preemption_attempts
         ):
             held_for_it = view.name in ledger.blocked_jobs  # others' failures say nothing about its GPUs
+            las = las_bound(view, prio, now, config)
+            # A failed victim search says nothing about a job with other LAS victims: key by them.
+            pkey = shape if las is None else (*shape, las)
             try_balloon = held_for_it or _worth_trying(cyc.no_balloon.get(shape), ledger.frees, prio)
-            try_preempt = held_for_it or _worth_trying(cyc.no_preempt.get(shape), ledger.frees, prio)
+            try_preempt = held_for_it or _worth_trying(cyc.no_preempt.get(pkey), ledger.frees, prio)
             if try_balloon or try_preempt:
                 cyc.attempts += 1
             if try_balloon and self._try_balloon(cyc, view, req, prio):
                 return
             if try_balloon:
                 cyc.no_balloon[shape] = _failed(cyc.no_balloon.get(shape), ledger.frees, prio)
-            if try_preempt and self._try_preempt(cyc, view, req, prio):
+            if try_preempt and self._try_preempt(cyc, view, req, prio, las):
                 return
             if try_preempt:
-                cyc.no_preempt[shape] = _failed(cyc.no_preempt.get(shape), ledger.frees, prio)
+                cyc.no_preempt[pkey] = _failed(cyc.no_preempt.get(pkey), ledger.frees, prio)
 
         reason = self._why(cyc, req) if cached is None or cached[0] != ledger.frees else cached[1]
         cyc.fail_cache[shape] = (ledger.frees, reason)
@@ -317,22 +323,36 @@ class Scheduler:
         self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'balloon')} of {', '.join(plan.jobs)}")
         return True
 
-    def _try_preempt(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
+    def _try_preempt(
+        self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float, las: tuple[int, int] | None
+    ) -> bool:
         now = cyc.snapshot.now
+        config = cyc.config
         if cyc.victims is None:
-            pool = victim_pool(cyc.snapshot.jobs.values(), now, cyc.config, cyc.ledger)
-            cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, now, cyc.config)) for v in pool])
-        groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy)
+            pool = victim_pool(cyc.snapshot.jobs.values(), now, config, cyc.ledger)
+            standing: dict[str, tuple[int, int]] = {}
+            if config.las_threshold_gpu_s and config.las_preempt:
+                for v in pool:
+                    st = las_standing(v, now, config)
+                    if st is not None:
+                        standing[v.name] = st
+            cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, now, config)) for v in pool], None, standing)
+        groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy, las)
         plan = plan_preemption(cyc.ledger, req, (), groups=groups) if cyc.victims else None
         if plan is None:
             return False
+        mine = f"priority {view.spec.priority}, effective {prio:.1f}"
+        if config.las_threshold_gpu_s:
+            mine += f", LAS queue {las_rank(view, now, config)}"
         for name in plan.jobs:
             victim = cyc.snapshot.jobs[name]
+            theirs = f"priority {victim.spec.priority}"
+            if config.las_threshold_gpu_s:
+                theirs += f", LAS queue {las_rank(victim, now, config)}"
             cyc.decisions.append(
                 Preempt(
                     name,
-                    f"preempted to make room for {view.name} (priority {view.spec.priority}, "
-                    f"effective {prio:.1f}); {name} has priority {victim.spec.priority}",
+                    f"preempted to make room for {view.name} ({mine}); {name} has {theirs}",
                     deadline=preempt_deadline(victim, now, cyc.config),
                     for_job=view.name,
                 )

@@ -12,22 +12,30 @@ level below the pending job's effective priority (``priority <= floor(effective)
 that are past their minimum guarantee
 (``max(spec.min_runtime_s, config.min_runtime_s)`` since ``granted_at``). They are tried in
 the order of :func:`victim_key`: shared before guaranteed/exclusive, lowest priority first,
-then least work lost (seconds since the last acknowledged checkpoint, or since the grant, times
-the number of slices). Every plan is simulated in the ledger and the ledger is put back as it
-was before the function returns.
+(with LAS) highest attained-service queue first, then least work lost (seconds since the last
+acknowledged checkpoint, or since the grant, times the number of slices). Every plan is
+simulated in the ledger and the ledger is put back as it was before the function returns.
+
+With least-attained-service queues (``las_threshold_gpu_s``) and ``las_preempt``, a job may
+also preempt shared or guaranteed jobs of its own level or lower (:func:`las_bound`) that sit at
+least one queue higher than its own (:func:`~gpupool_sdk.scheduler.ordering.las_rank`): the
+Tiresias rule, composed with priorities (a higher level always wins over a lower queue) and
+with the same minimum guarantee. A job moves up a queue only by running, and a victim is always
+in a strictly higher queue than its preemptor, so two jobs cannot swap back and forth: each
+LAS preemption follows a queue crossing (or a starvation promotion).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
 from gpupool_sdk.resources import JobState, QoS
 from gpupool_sdk.scheduler.filter import GpuLoad, SliceRequest, fits, predicted_peak
 from gpupool_sdk.scheduler.ledger import Holding, Ledger
-from gpupool_sdk.scheduler.ordering import effective_priority
+from gpupool_sdk.scheduler.ordering import effective_priority, las_level, las_rank
 from gpupool_sdk.scheduler.placement import place
 from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
 
@@ -78,9 +86,14 @@ def running_priority(view: JobView, now: float, config: SchedulerConfig) -> floa
     return effective_priority(view, now, config)
 
 
-def victim_key(view: JobView, now: float) -> tuple[int, int, float, int, str]:
-    """Sort key of victims: first in this order is preempted first."""
-    return (view.spec.qos_class.rank, view.spec.priority, work_lost_s(view, now), -view.order, view.name)
+def victim_key(view: JobView, now: float, config: SchedulerConfig | None = None) -> tuple[int, int, int, float, int, str]:
+    """Sort key of victims: first in this order is preempted first.
+
+    With ``config`` and LAS queues on, a higher attained-service queue goes first within a
+    priority (the job that has had the most service gives way first, as in Tiresias).
+    """
+    queue = las_rank(view, now, config) if config is not None and config.las_threshold_gpu_s else 0
+    return (view.spec.qos_class.rank, view.spec.priority, -queue, work_lost_s(view, now), -view.order, view.name)
 
 
 def victim_pool(jobs: Iterable[JobView], now: float, config: SchedulerConfig, ledger: Ledger | None = None) -> list[JobView]:
@@ -93,8 +106,35 @@ def victim_pool(jobs: Iterable[JobView], now: float, config: SchedulerConfig, le
         and not is_protected(v, now, config)
         and (ledger is None or ledger.holdings.get(v.name))
     ]
-    out.sort(key=lambda v: victim_key(v, now))
+    out.sort(key=lambda v: victim_key(v, now, config))
     return out
+
+
+def las_bound(view: JobView, priority: float, now: float, config: SchedulerConfig) -> tuple[int, int] | None:
+    """``(level, min_queue)`` of the LAS victims of pending ``view`` of effective ``priority``.
+
+    Running shared or guaranteed jobs whose level (integer part of their running priority) is at
+    most ``level`` and whose LAS queue is at least ``min_queue`` (one above ``view``'s) may be
+    preempted for it. None when LAS preemption is off or no queue is above ``view``'s.
+    """
+    if not config.las_threshold_gpu_s or not config.las_preempt:
+        return None
+    min_queue = las_rank(view, now, config) + 1
+    if min_queue > len(config.las_threshold_gpu_s):
+        return None
+    return (las_level(priority), min_queue)
+
+
+def las_standing(view: JobView, now: float, config: SchedulerConfig) -> tuple[int, int] | None:
+    """``(level, queue)`` of a running job for :func:`las_bound` checks; None: never a LAS victim (exclusive)."""
+    if view.spec.qos_class is QoS.EXCLUSIVE:
+        return None
+    return (las_level(running_priority(view, now, config)), las_rank(view, now, config))
+
+
+def las_allows(standing: tuple[int, int] | None, bound: tuple[int, int] | None) -> bool:
+    """True when a running job of LAS ``standing`` is a LAS victim under ``bound``."""
+    return standing is not None and bound is not None and standing[0] <= bound[0] and standing[1] >= bound[1]
 
 
 def eligible_victims(
@@ -105,17 +145,23 @@ def eligible_victims(
     busy: Iterable[str] = (),
     ledger: Ledger | None = None,
     pool: Sequence[JobView] | None = None,
+    las: tuple[int, int] | None = None,
 ) -> list[JobView]:
     """GRANTED jobs that may be preempted for a job of effective ``priority``, in victim order.
 
     Victims are at least one whole level lower (:func:`preempt_bound`), comparing with their
-    :func:`running_priority`. ``pool`` (from
-    :func:`victim_pool`) saves re-sorting every job for every pending job.
+    :func:`running_priority`, or, with ``las`` (from :func:`las_bound`), LAS victims. ``pool``
+    (from :func:`victim_pool`) saves re-sorting every job for every pending job.
     """
     busy_set = busy if isinstance(busy, (set, frozenset)) else set(busy)
     base = pool if pool is not None else victim_pool(jobs, now, config, ledger)
     bound = preempt_bound(priority)
-    return [v for v in base if running_priority(v, now, config) <= bound and v.name not in busy_set]
+    return [
+        v
+        for v in base
+        if v.name not in busy_set
+        and (running_priority(v, now, config) <= bound or las_allows(las_standing(v, now, config), las))
+    ]
 
 
 def plan_preemption(
@@ -240,33 +286,44 @@ class VictimIndex:
         pool: ``(job name, priority)`` of every candidate (running priority for victims), in the order
             they are to be tried.
         targets: for balloons, the per-slice byte target of each candidate (None: preemption).
+        standing: for LAS preemption, ``(level, queue)`` of candidates that may be LAS victims
+            (:func:`las_standing`); a candidate absent from it is only a victim by priority.
     """
 
     def __init__(
-        self, ledger: Ledger, pool: Sequence[tuple[str, float]], targets: dict[str, int] | None = None
+        self,
+        ledger: Ledger,
+        pool: Sequence[tuple[str, float]],
+        targets: dict[str, int] | None = None,
+        standing: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         self.ledger = ledger
         self.pool = list(pool)
         self.targets = targets
+        self.standing = standing or {}
         self._cache: dict[tuple[object, ...], list[tuple[int, list[str]]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.pool)
 
-    def groups(self, req: SliceRequest, top_priority: float, busy: Collection[str]) -> Iterator[list[str]]:
-        """Groups for ``req`` among candidates of priority <= ``top_priority`` not in ``busy``, cheapest first.
+    def groups(
+        self, req: SliceRequest, top_priority: float, busy: Collection[str], las: tuple[int, int] | None = None
+    ) -> Iterator[list[str]]:
+        """Groups for ``req`` among candidates of priority <= ``top_priority`` (or LAS victims under
+        ``las``, see :func:`las_bound`) not in ``busy``, cheapest first.
 
         The bound is rounded down to a whole level so that searches share the cache (a slightly
         smaller candidate set, never a larger one: a victim in between becomes eligible as the
         waiting job ages further).
         """
         top_priority = float(math.floor(top_priority))
-        key = (req.qos, req.memory, req.compute, req.peak, req.features, req.gpu_model, top_priority)
+        key = (req.qos, req.memory, req.compute, req.peak, req.features, req.gpu_model, top_priority, las)
         options = self._cache.get(key)
         ledger = self.ledger
         targets = self.targets
         if options is None:
-            names = [n for n, p in self.pool if p <= top_priority]
+            standing = self.standing
+            names = [n for n, p in self.pool if p <= top_priority or las_allows(standing.get(n), las)]
             options = list(_completion_groups(ledger, req, names, targets, respect_blocks=False))
             self._cache[key] = options
         avoid: set[str] = set()

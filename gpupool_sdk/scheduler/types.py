@@ -35,6 +35,13 @@ class SchedulerConfig:
         las_threshold_gpu_s: optional least-attained-service queues (Tiresias-like): ascending
             thresholds on ``JobView.attained_gpu_s``; within one priority level, jobs in a lower queue
             (less service received) go first. Empty (the default) turns it off.
+        las_preempt: with ``las_threshold_gpu_s`` set, a pending job may also preempt running
+            jobs of its own priority level (or lower) that sit at least one LAS queue higher, as
+            Tiresias does; shared and guaranteed jobs only, never exclusive ones, never inside
+            their minimum run time. False keeps LAS to ordering the pending jobs.
+        las_promote_after_factor: with LAS on, a job whose wait (time since ``queued_at`` not spent
+            running) reached this multiple of its run so far counts as queue 0 again (Tiresias'
+            starvation promotion; while it runs, until its run catches up). 0 turns it off.
         reserve_after_s: a pending job that cannot be placed and has waited this long gets GPUs
             reserved for it: lower jobs may only backfill on other GPUs.
         max_reservations: at most this many blocked jobs hold reservations in one cycle.
@@ -54,6 +61,8 @@ class SchedulerConfig:
     allow_preemption: bool = True
     max_decisions: int = 256
     las_threshold_gpu_s: tuple[float, ...] = ()
+    las_preempt: bool = True
+    las_promote_after_factor: float = 0.0
     reserve_after_s: float = 600.0
     max_reservations: int = 2
     resize_up: bool = True
@@ -73,6 +82,10 @@ class SchedulerConfig:
             raise ConfigError("reserve_after_s", f"must be >= 0 seconds, got {self.reserve_after_s}")
         if self.max_preemption_attempts < 0:
             raise ConfigError("max_preemption_attempts", f"must be >= 0, got {self.max_preemption_attempts}")
+        if self.las_promote_after_factor < 0:
+            raise ConfigError(
+                "las_promote_after_factor", f"must be >= 0 (0 = no promotion), got {self.las_promote_after_factor}"
+            )
         if self.max_reservations < 0:
             raise ConfigError("max_reservations", f"must be >= 0, got {self.max_reservations}")
         thresholds = tuple(float(t) for t in self.las_threshold_gpu_s)
@@ -95,7 +108,9 @@ class JobView:
         granted_at: when its current grant was made.
         last_checkpoint_at: wall time of its last acknowledged checkpoint (work lost on preemption
             is measured from here, or from ``granted_at`` when it never checkpointed).
-        attained_gpu_s: GPU-seconds it has received so far (least-attained-service policies use it).
+        attained_gpu_s: GPU-seconds it has received so far, compute share x seconds summed over
+            its slices (a half-GPU slice attains 0.5 GPU-s per second), the current grant's service
+            included for a granted job (least-attained-service queues and ``waited`` use it).
         directive: the directive outstanding for it, if any.
         ack: the last ack it wrote, if any.
         memory_peak_bytes: the recent per-slice memory peak it reported in telemetry (for overcommit).
