@@ -229,3 +229,11 @@ def test_json_output_of_every_reporting_command_is_strict_json(store: EtcdStore,
     assert "jobs" in _strict_json(report.stdout)  # type: ignore[operator]
     assert "skipped 1 malformed value" in top.stderr and store.keys.job_spec("hand-edited") in top.stderr
     assert "Problems" in table.stdout and "hand-edited" in table.stdout
+
+
+@pytest.mark.xfail(strict=True, reason="cli/run_cmd.py run(): --acquire-timeout -1 is checked only inside PoolClient.acquire, "
+                   "after '[gpupool run] queueing ...' is printed, and the message names 'timeout', not the flag")
+def test_run_refuses_a_negative_acquire_timeout_naming_the_flag() -> None:
+    r = gpupool("run", "--name", "neg", "--memory", "1GiB", "--acquire-timeout", "-1", "--endpoints", DEAD_ENDPOINT, "--", "true")
+    assert r.returncode == EXIT_USAGE, explain(r)
+    assert "--acquire-timeout" in r.stderr and "queueing" not in r.stderr, explain(r)
