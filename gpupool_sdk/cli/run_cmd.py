@@ -14,6 +14,7 @@ Exit code: the script's own (0 when it finished), 1 after ``--max-restarts`` pre
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shlex
 import signal
@@ -102,6 +103,10 @@ def run(
         raise ConfigError("--memory", f"{qos} jobs must say how much memory per slice they need, e.g. --memory 20GiB")
     if max_restarts < 0:
         raise ConfigError("--max-restarts", f"must be >= 0, got {max_restarts}")
+    if acquire_timeout is not None and not (math.isfinite(acquire_timeout) and acquire_timeout > 0):
+        raise ConfigError(
+            "--acquire-timeout", f"must be a positive number of seconds, got {acquire_timeout}; omit it to wait indefinitely"
+        )
     job = derive_job_name(name, argv0=_script_of(command))
     spec = JobSpec(
         name=job,

@@ -231,8 +231,6 @@ def test_json_output_of_every_reporting_command_is_strict_json(store: EtcdStore,
     assert "Problems" in table.stdout and "hand-edited" in table.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="cli/run_cmd.py run(): --acquire-timeout -1 is checked only inside PoolClient.acquire, "
-                   "after '[gpupool run] queueing ...' is printed, and the message names 'timeout', not the flag")
 def test_run_refuses_a_negative_acquire_timeout_naming_the_flag() -> None:
     r = gpupool("run", "--name", "neg", "--memory", "1GiB", "--acquire-timeout", "-1", "--endpoints", DEAD_ENDPOINT, "--", "true")
     assert r.returncode == EXIT_USAGE, explain(r)
