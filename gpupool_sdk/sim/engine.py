@@ -80,6 +80,7 @@ class SimConfig:
         checkpoint_s: time from a preempt directive to the job's ack (checkpoint write).
         restart_s: extra work a preempted or failed job does when it runs again (restart and
             reload); ``checkpoint_s + restart_s`` is the preemption cost (30 s as in Pollux).
+            A trace row overrides both with ``checkpoint_s=`` / ``restart_s=`` in ``extra``.
         balloon_s: time from a balloon directive to its ack.
         balloon_speed: speed factor of a job while ballooned below its memory demand (offload).
         checkpoint_interval_s: periodic checkpoints; a failed or revoked job loses the work since the last one.
@@ -134,6 +135,7 @@ class SimJob:
         "queued_since", "pending_s", "run_s", "last_run_s", "run_start", "attained_gpu_s", "preemptions",
         "failures", "restarts", "version", "granted_at", "directive_seq", "directive_kind", "directive_deadline",
         "directive_target", "directive_for", "acked", "ack_reached", "peak_known", "policy_data", "reject_reason",
+        "checkpoint_s", "restart_s",
     )
 
     def __init__(self, tj: TraceJob, demand: int, util: float, label: int) -> None:
@@ -177,6 +179,22 @@ class SimJob:
         self.peak_known = False
         self.policy_data: object = None
         self.reject_reason = ""
+        #: per-job preemption cost from the trace's ``extra`` (``checkpoint_s=``, ``restart_s=``), else None.
+        self.checkpoint_s = _extra_seconds(tj, "checkpoint_s")
+        self.restart_s = _extra_seconds(tj, "restart_s")
+
+
+def _extra_seconds(tj: TraceJob, key: str) -> float | None:
+    raw = tj.extra.get(key)
+    if not raw:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ConfigError("trace", f"row {tj.row}, column 'extra': {key}={raw!r} is not a number of seconds") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise ConfigError("trace", f"row {tj.row}, column 'extra': {key} must be >= 0 seconds, got {raw!r}")
+    return v
 
 
 class SimPolicy(Protocol):
@@ -538,7 +556,7 @@ class Simulator:
         if job.first_start is None:
             job.first_start = self.now
         if job.restarts > 0:
-            job.remaining += self.config.restart_s
+            job.remaining += self.config.restart_s if job.restart_s is None else job.restart_s
         job.peak_known = True
         self.running[job.name] = job
         self._place(job, gpus, shares, mems)
@@ -570,7 +588,8 @@ class Simulator:
         job.version += 1
         self._changed(job)
         self._refresh(set(job.gpus), (job,))
-        self._push(self.now + self.config.checkpoint_s, _ACK, job.index, job.directive_seq)
+        ckpt = self.config.checkpoint_s if job.checkpoint_s is None else job.checkpoint_s
+        self._push(self.now + ckpt, _ACK, job.index, job.directive_seq)
 
     def _balloon(self, d: Balloon) -> None:
         job = self._job(d.job, d)

@@ -164,3 +164,14 @@ def test_stranded_fraction_counts_free_share_the_next_job_cannot_use(tmp_path: P
     m = compute_metrics(result)
     assert m["stranded_gpu_fraction"] == pytest.approx(0.3 * 99 / 110)
     assert m["gpu_alloc_util"] == pytest.approx((0.7 * 100 + 0.5 * 10) / 110)
+
+
+def test_per_job_preemption_cost_from_extra(tmp_path: Path) -> None:
+    # As the BE/LS case above, but x declares checkpoint_s=5 and restart_s=50 in extra:
+    # preempted at 50, acks at 55; y runs 55-95; x has 50 + 50 s left and runs 95-195.
+    rows = (
+        "x,t,0,,,100,1,1.0,BE,,gpu_mem_gib=20;checkpoint_s=5;restart_s=50\n"
+        "y,t,50,,,40,1,1.0,LS,,gpu_mem_gib=20\n"
+    )
+    times, _ = _run(tmp_path, rows, PoolPolicy(DEFAULT_POOL_CONFIG), cluster="1xV100-32GB")
+    assert times == {"x": (0.0, 195.0), "y": (55.0, 95.0)}
