@@ -44,6 +44,7 @@ from typing import Any
 from gpupool_sdk.errors import ConfigError, GpupoolError, LeaseLostError
 from gpupool_sdk.resources import Directive, DirectiveKind, JobSpec
 from gpupool_sdk.telemetry.phases import Phase, PhaseTimer
+from gpupool_sdk.telemetry.summary import TelemetrySummary, from_phase_timer
 
 log = logging.getLogger("gpupool_sdk.integrations")
 
@@ -111,6 +112,12 @@ def process_rank() -> int:
 def _check_positive_int(value: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _check_peak_bytes(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(name, f"must be a whole number of bytes >= 0, got {value!r}")
     return value
 
 
@@ -196,6 +203,11 @@ class PoolRuntime:
             preempt ack before releasing anyway.
         on_status: called with each status change while queued.
         client: a ready ``PoolClient``-like object (tests); default builds one.
+        memory_peak_fn: called (on the training thread) only when a summary is due; returns the
+            job's per-slice memory peak in bytes since the previous call, or None when it does not
+            know. A number replaces the measured figure in the published ``memory_peak_bytes``.
+        metrics_port: serve the job's own summary as Prometheus metrics on this port (rank 0;
+            0 picks a free one); None for no exporter.
         spec_fields: extra :class:`JobSpec` fields (``features``, ``gpu_model``, ``min_runtime_s``...).
 
     Raises:
@@ -220,8 +232,18 @@ class PoolRuntime:
         release_timeout: float = 30.0,
         on_status: Callable[[Any], None] | None = None,
         client: Any = None,
+        memory_peak_fn: Callable[[], int | None] | None = None,
+        metrics_port: int | None = None,
         **spec_fields: Any,
     ) -> None:
+        if memory_peak_fn is not None and not callable(memory_peak_fn):
+            raise ConfigError(
+                "memory_peak_fn", f"must be a callable returning bytes or None, got {memory_peak_fn!r}"
+            )
+        if metrics_port is not None and (
+            isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535
+        ):
+            raise ConfigError("metrics_port", f"must be a TCP port 0-65535 (0: any free port) or None, got {metrics_port!r}")
         if allocator not in _ALLOCATORS:
             raise ConfigError("allocator", f"got {allocator!r}; use one of {', '.join(map(repr, _ALLOCATORS))}")
         self.check_every_n_steps = _check_positive_int(check_every_n_steps, "check_every_n_steps")
@@ -264,6 +286,19 @@ class PoolRuntime:
         self._balloon: Any = None
         self._optimizers: list[Any] = []
         self._next_publish = 0.0
+        self.memory_peak_fn = memory_peak_fn
+        self.metrics_port = metrics_port
+        # Memory peak bookkeeping, all touched only at step boundaries where something happens
+        # (a publish, a balloon), never per step: the user's reports since the last publish, the
+        # footprint seen at balloon boundaries since the last publish, and torch's lifetime peak
+        # at the last publish (to tell whether it rose within the window).
+        self._reported_peak: int | None = None
+        self._boundary_peak = 0
+        self._torch_peak_seen = 0
+        self._training = False
+        self._sampler: Any = None
+        self._job_metrics: Any = None
+        self._metrics_server: Any = None
         self._lost_flag = threading.Event()
         self._inbox: collections.deque[Directive] = collections.deque()
         self._inbox_flag = threading.Event()
@@ -378,6 +413,7 @@ class PoolRuntime:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
+        self.stop_training()
         lease = self.lease
         if lease is not None:
             try:
@@ -481,6 +517,69 @@ class PoolRuntime:
             if self._balloon is not None and hasattr(self._balloon, "add_optimizer"):
                 self._balloon.add_optimizer(optimizer)
 
+    def start_training(self, optimizers: Any = ()) -> None:
+        """Training starts: register ``optimizers``, build the balloon controller, start the samplers.
+
+        Called by the adapters once the optimizers exist (Lightning's ``on_train_start``,
+        :class:`~gpupool_sdk.integrations.torch_loop.PoolSession` on entry and in ``add_optimizer``).
+        The controller measures the footprint that ``memory_peak_bytes`` reports from the first
+        publish on, before any balloon. On rank 0 with real GPUs and NVML, an
+        :class:`~gpupool_sdk.telemetry.nvml_sampler.NvmlSampler` samples the leased GPUs on its
+        own thread; with ``metrics_port`` a job-side Prometheus exporter starts. Idempotent;
+        nothing here may stop training (failures are logged).
+        """
+        for opt in optimizers or ():
+            self.add_optimizer(opt)
+        if self._training:
+            return
+        self._training = True
+        try:
+            self._balloon_controller()
+        except Exception as exc:  # noqa: BLE001 - a balloon directive retries and acks the error
+            log.warning("gpupool: no memory balloon for %s yet (%s); a balloon directive will be refused", self.job, exc)
+        if not self.is_leader or self.lease is None:
+            return
+        if self._sampler is None and self.accelerator == "gpu":
+            self._sampler = self._start_sampler()
+        if self.metrics_port is not None and self._metrics_server is None:
+            try:
+                from gpupool_sdk.telemetry.prometheus import JobMetrics
+
+                self._job_metrics = JobMetrics()
+                self._metrics_server = self._job_metrics.serve(self.metrics_port)
+            except Exception as exc:  # noqa: BLE001 - telemetry must never stop training
+                self._job_metrics = None
+                log.warning("gpupool: job metrics exporter on port %s not started: %s", self.metrics_port, exc)
+
+    def _start_sampler(self) -> Any:
+        uuids = [str(a.gpu_uuid) for a in (getattr(self.lease, "allocations", None) or ()) if getattr(a, "gpu_uuid", None)]
+        if not uuids:
+            # Under `gpupool run` the process does not see the allocations; sampling every GPU
+            # would report other jobs' devices as this job's.
+            log.debug("gpupool: leased GPU UUIDs unknown; no NVML sampling")
+            return None
+        try:
+            from gpupool_sdk.telemetry.nvml_sampler import NvmlSampler
+
+            sampler = NvmlSampler(gpu_uuids=uuids).start()
+        except Exception as exc:  # noqa: BLE001 - NVML is optional
+            log.debug("gpupool: NVML sampler not started: %s", exc)
+            return None
+        return sampler if sampler.available else None
+
+    def stop_training(self) -> None:
+        """Training ended (Lightning's ``teardown``, or :meth:`close`): stop the sampler and the exporter."""
+        self._training = False
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            with contextlib.suppress(Exception):
+                sampler.stop()
+        server, self._metrics_server = self._metrics_server, None
+        self._job_metrics = None
+        if server is not None:
+            with contextlib.suppress(Exception):
+                server.close()
+
     def _balloon_controller(self) -> Any:
         if self._balloon is None and self.allocator != "none":
             from gpupool_sdk.memory import make_balloon_controller
@@ -500,6 +599,9 @@ class PoolRuntime:
         ok, message, reached = True, "", None
         try:
             ctl = self._balloon_controller()
+            if ctl is not None and ctl.kind == "host":
+                # The footprint just before it changes belongs to this publish window's peak.
+                self._boundary_peak = max(self._boundary_peak, int(ctl.usage_bytes()))
             if ctl is None:
                 ok, message = False, "ballooning disabled (allocator='none')"
             elif dec.kind == "balloon":
@@ -527,10 +629,25 @@ class PoolRuntime:
         self._closed = True  # nothing left to release
         return self.lost_error
 
+    def report_memory_peak(self, peak_bytes: int) -> None:
+        """Report the job's per-slice memory peak (bytes) for the next published summary.
+
+        The largest value reported since the previous publish replaces the measured figure in
+        ``memory_peak_bytes`` (the coordinator predicts the job's peak from it, for overcommit
+        and ballooning). Cheap: one comparison, no I/O.
+
+        Raises:
+            ConfigError: ``peak_bytes`` is not a whole number of bytes >= 0.
+        """
+        peak = _check_peak_bytes(peak_bytes, "peak_bytes")
+        if self._reported_peak is None or peak > self._reported_peak:
+            self._reported_peak = peak
+
     def maybe_publish(self, step: int, now: float | None = None) -> bool:
         """Hand a telemetry summary to the lease when the interval is up (non-blocking).
 
-        Between publishes this is one comparison: the summary is built only when one is due.
+        Between publishes this is one comparison: the summary (phase timing, memory peak, NVML
+        figures when sampled) is built only when one is due.
 
         Args:
             step: the global step, recorded in the summary.
@@ -546,43 +663,95 @@ class PoolRuntime:
         if now < self._next_publish:
             return False
         self._next_publish = now + self.telemetry_interval_s
-        s = self.timer.summary()
-        summary = {
-            "job": self.job,
-            "step": step,
-            "steps_per_s": s["steps_per_s"],
-            "window_s": s["step_time_s"]["mean"] * s["steps"],
-            "phase_seconds": s["phase_s"],
-            "phase_fraction": s["phase_fraction"],
-            "last_step_at": time.time(),
-            "published_at": time.time(),
-        }
-        peak = self._memory_peak()
-        if peak is not None:
-            summary["memory_peak_bytes"] = peak
         try:
-            self.lease.publish_telemetry(summary)
+            summary = self.build_summary(step)
+        except Exception as exc:  # noqa: BLE001 - telemetry must never stop training
+            log.warning("gpupool: telemetry summary not built: %s", exc)
+            return False
+        try:
+            self.lease.publish_telemetry(summary.to_dict())
         except Exception as exc:  # noqa: BLE001 - telemetry must never stop training
             log.debug("publish_telemetry failed: %s", exc)
+        metrics = self._job_metrics
+        if metrics is not None:
+            with contextlib.suppress(Exception):
+                metrics.update(summary)
         return True
 
-    def _memory_peak(self) -> int | None:
-        """Peak device memory of this process (reserved bytes), for the coordinator's overcommit model."""
-        stats = getattr(self._balloon, "stats", None)
-        if callable(stats):
-            with contextlib.suppress(Exception):
-                st = stats()
-                for key in ("gpupool_memory_reserved_peak_bytes", "gpupool_memory_reserved_bytes"):
-                    if key in st:
-                        return int(st[key])
-        try:
-            import torch
+    def build_summary(self, step: int) -> TelemetrySummary:
+        """The summary to publish now; starts the next memory-peak window."""
+        return from_phase_timer(
+            self.job,
+            step,
+            self.timer.summary(),
+            published_at=time.time(),
+            sampler=self._sampler,
+            memory_peak_bytes=self._memory_peak(),
+        )
 
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                return int(torch.cuda.max_memory_reserved())
+    def _memory_peak(self) -> int | None:
+        """Per-slice memory peak since the previous publish, or None when nothing was measured (never 0).
+
+        The user's figure (:meth:`report_memory_peak`, ``memory_peak_fn``) wins; else the
+        balloon tier's measure; else None (the summary then falls back to NVML's figure).
+        """
+        reported, self._reported_peak = self._reported_peak, None
+        fn = self.memory_peak_fn
+        if fn is not None:
+            try:
+                value = fn()
+                if value is not None:
+                    value = _check_peak_bytes(value, "memory_peak_fn()")
+                    reported = value if reported is None else max(reported, value)
+            except Exception as exc:  # noqa: BLE001 - a faulty hook must not stop training
+                log.warning("gpupool: memory_peak_fn failed, its figure is left out: %s", exc)
+        measured = self._measured_peak()  # read anyway: it also starts the next window
+        peak = reported if reported is not None else measured
+        return peak if peak else None
+
+    def _measured_peak(self) -> int:
+        """Peak of the balloon tier's footprint since the previous call (0: nothing measured).
+
+        * ``host`` tier (CPU jobs): ``usage_bytes()``: the SDK allocator's reserved bytes plus the
+          resident optimizer state, read now and at each balloon boundary in the window (the
+          footprint only changes at those boundaries: no per-step sampling is needed).
+        * ``gpupool`` tier: the SDK allocator's reserved peak, then reset (the pool's own stats).
+        * ``torch`` tier (or no controller, on a GPU): ``torch.cuda.max_memory_reserved()``,
+          never reset: :func:`torch.cuda.reset_peak_memory_stats` would change the figures
+          the user (or Lightning's ``DeviceStatsMonitor``) reads. When the lifetime peak rose in
+          the window it is the window's peak; otherwise the reserved bytes now (PyTorch caches
+          what a step reserved, so between steps this is the step's peak unless the cache was
+          emptied).
+        """
+        boundary, self._boundary_peak = self._boundary_peak, 0
+        ctl = self._balloon
+        kind = getattr(ctl, "kind", None)
+        try:
+            if kind == "host":
+                return max(boundary, int(ctl.usage_bytes()))
+            if kind == "gpupool":
+                st = ctl.allocator.stats()
+                ctl.allocator.reset_peak_stats()
+                return max(boundary, int(st["reserved_bytes.all.peak"]))
+        except Exception as exc:  # noqa: BLE001 - measuring must never stop training
+            log.debug("memory footprint not measured: %s", exc)
+            return boundary
+        return max(boundary, self._torch_window_peak())
+
+    def _torch_window_peak(self) -> int:
+        torch = sys.modules.get("torch")  # never import torch just to learn it has no stats
+        if torch is None:
+            return 0
+        try:
+            if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+                return 0
+            lifetime = int(torch.cuda.max_memory_reserved())
+            current = int(torch.cuda.memory_reserved())
         except Exception:  # noqa: BLE001 - replace-mode allocators have no torch stats
-            return None
-        return None
+            return 0
+        rose = lifetime > self._torch_peak_seen
+        self._torch_peak_seen = max(self._torch_peak_seen, lifetime)
+        return lifetime if rose else current
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from gpupool_sdk.integrations._core import _CARRY_ON, EX_TEMPFAIL, Decision, PoolLeaseLostError, PoolRuntime
@@ -110,6 +111,11 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         check_every_n_steps: directive check interval, in optimizer steps.
         telemetry_interval_s: how often a phase summary is published.
         acquire_timeout: seconds to wait in the queue (None: forever).
+        memory_peak_fn: called only when a summary is due (never per step); returns the job's
+            per-slice memory peak in bytes since its previous call, or None. A number replaces
+            the measured ``memory_peak_bytes`` (see :meth:`report_memory_peak`).
+        metrics_port: serve this job's summary as Prometheus metrics (``gpupool_job_*``) on
+            this port from rank 0 (0: any free port); None (default) for none.
         **spec_fields: other :class:`~gpupool_sdk.resources.JobSpec` fields (``features``,
             ``gpu_model``, ``min_runtime_s``, ``preempt_grace_s``, ``owner``, ``prefix``...).
 
@@ -132,6 +138,8 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         check_every_n_steps: int = 1,
         telemetry_interval_s: float = 5.0,
         acquire_timeout: float | None = None,
+        memory_peak_fn: Callable[[], int | None] | None = None,
+        metrics_port: int | None = None,
         **spec_fields: Any,
     ) -> None:
         super().__init__()
@@ -148,6 +156,8 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
             check_every_n_steps=check_every_n_steps,
             telemetry_interval_s=telemetry_interval_s,
             acquire_timeout=acquire_timeout,
+            memory_peak_fn=memory_peak_fn,
+            metrics_port=metrics_port,
             **spec_fields,
         )
         self.runtime.acquire()
@@ -209,6 +219,21 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         """Path of the last checkpoint this callback wrote (preemption or emergency)."""
         return self._last_checkpoint
 
+    def report_memory_peak(self, peak_bytes: int) -> None:
+        """Report the job's per-slice memory peak (bytes) for the next published summary.
+
+        The largest value reported since the previous publish replaces the measured
+        ``memory_peak_bytes`` (the pool predicts the job's peak from it, for overcommit and
+        ballooning). Cheap (one comparison, no I/O): it may be called every step.
+
+        Example:
+            >>> # pool.report_memory_peak(torch.cuda.max_memory_allocated())
+
+        Raises:
+            ConfigError: ``peak_bytes`` is not a whole number of bytes >= 0.
+        """
+        self.runtime.report_memory_peak(peak_bytes)
+
     def exit_if_preempted(self) -> None:
         """Call after ``trainer.fit``: exit with code 75 if preempted, else release the lease.
 
@@ -234,8 +259,8 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        for opt in getattr(trainer, "optimizers", []) or []:
-            self.runtime.add_optimizer(opt)
+        # The optimizers exist now: the balloon controller measures the footprint from here on.
+        self.runtime.start_training(getattr(trainer, "optimizers", []) or [])
         self._world_size = int(trainer.world_size)
         device = getattr(pl_module, "device", None)
         # The timer was built before CUDA existed in this process (the lease comes first).
@@ -333,6 +358,10 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
 
     def _fence(self, trainer: Any, dec: Decision) -> None:
         raise self.runtime.fence(dec, int(trainer.global_step), self._save(trainer))
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self.runtime.stop_training()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if isinstance(exception, PoolLeaseLostError):

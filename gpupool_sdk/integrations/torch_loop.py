@@ -71,6 +71,8 @@ class PoolSession:
         gpus, memory, qos, priority, name, checkpoint_dir, endpoints, compute_share, allocator,
             check_every_n_steps, telemetry_interval_s, acquire_timeout, **spec_fields: as for
             :class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback`.
+        memory_peak_fn, metrics_port: as for
+            :class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback` (see :meth:`report_memory_peak`).
         broadcast: ``obj -> obj`` sending rank 0's object to all ranks (distributed loops).
         exit_on_preempt: leaving the ``with`` block after a preemption raises ``SystemExit(75)``.
 
@@ -92,6 +94,8 @@ class PoolSession:
         check_every_n_steps: int = 1,
         telemetry_interval_s: float = 5.0,
         acquire_timeout: float | None = None,
+        memory_peak_fn: Callable[[], int | None] | None = None,
+        metrics_port: int | None = None,
         broadcast: Callable[[Any], Any] | None = None,
         exit_on_preempt: bool = True,
         **spec_fields: Any,
@@ -109,6 +113,8 @@ class PoolSession:
             check_every_n_steps=check_every_n_steps,
             telemetry_interval_s=telemetry_interval_s,
             acquire_timeout=acquire_timeout,
+            memory_peak_fn=memory_peak_fn,
+            metrics_port=metrics_port,
             **spec_fields,
         )
         self._broadcast = broadcast or _default_broadcast
@@ -118,6 +124,9 @@ class PoolSession:
     def __enter__(self) -> PoolSession:
         self.runtime.acquire()
         self._entered = True
+        # The balloon controller measures the footprint from the first publish on; optimizers
+        # join it as the loop registers them (add_optimizer).
+        self.runtime.start_training()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -152,8 +161,12 @@ class PoolSession:
         return self.runtime.timer
 
     def add_optimizer(self, optimizer: Any) -> None:
-        """Let balloon directives offload this optimizer's state to host memory."""
-        self.runtime.add_optimizer(optimizer)
+        """Let balloon directives offload this optimizer's state (counted in the published memory peak)."""
+        self.runtime.start_training([optimizer])
+
+    def report_memory_peak(self, peak_bytes: int) -> None:
+        """Report the job's per-slice memory peak (bytes) for the next summary (wins over the measured one)."""
+        self.runtime.report_memory_peak(peak_bytes)
 
     # -- step hooks ---------------------------------------------------------------------------
     def step_begin(self) -> None:

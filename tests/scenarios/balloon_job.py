@@ -8,11 +8,11 @@ It trains a small MLP with Adam through :class:`~gpupool_sdk.integrations.lightn
 and deflate directives reach it the real way: etcd -> client helper process -> callback -> balloon
 controller -> ack. It trains until ``--stop-file`` exists, then ``--extra-steps`` more optimizer steps.
 
-The memory peak: on the CPU the callback publishes none (there is no device memory to measure), so
-the script reports ``--peak-bytes`` itself through the lease's public ``publish_telemetry``, on every
-step, and sets the callback's own telemetry interval out of the way (it would publish a summary
-without the peak). The test picks a peak below the Adam state size, so the balloon target it leads
-to can only be reached by offloading the optimizer state.
+The memory peak: on the CPU the callback measures the host tier's footprint (Adam's state, about
+316 KiB) and publishes it as ``memory_peak_bytes``. The script passes ``--peak-bytes`` through the
+callback's ``memory_peak_fn`` hook instead, which wins over the measured figure: the test picks a peak
+below the Adam state size, so the balloon target it leads to can only be reached by offloading the
+optimizer state.
 
 Output lines:
     ``STOP_SEEN <step>``: the step at which the stop file was first seen.
@@ -76,13 +76,9 @@ class Regressor(pl.LightningModule):
 
 
 class Driver(pl.Callback):
-    """Reports the memory peak, paces the steps, counts them, and stops after the stop file."""
+    """Paces the steps, counts them, and stops after the stop file."""
 
-    def __init__(
-        self, pool: GpuPoolCallback, peak_bytes: int, stop_file: Path, extra_steps: int, step_sleep: float
-    ) -> None:
-        self.pool = pool
-        self.peak_bytes = peak_bytes
+    def __init__(self, stop_file: Path, extra_steps: int, step_sleep: float) -> None:
         self.stop_file = stop_file
         self.extra_steps = extra_steps
         self.step_sleep = step_sleep
@@ -96,15 +92,6 @@ class Driver(pl.Callback):
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = int(trainer.global_step)
-        lease = self.pool.runtime.lease
-        lease.publish_telemetry(
-            {
-                "job": self.pool.job,
-                "step": step,
-                "memory_peak_bytes": self.peak_bytes,
-                "published_at": time.time(),
-            }
-        )
         if self.stop_at is None and self.stop_file.exists():
             self.stop_at = step + self.extra_steps
             print(f"STOP_SEEN {step}", flush=True)
@@ -150,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         priority=0,
         name=args.name,
         checkpoint_dir=args.checkpoint_dir,
-        telemetry_interval_s=86400.0,
+        telemetry_interval_s=1.0,
+        memory_peak_fn=lambda: args.peak_bytes,
     )
-    driver = Driver(pool, args.peak_bytes, args.stop_file, args.extra_steps, args.step_sleep)
+    driver = Driver(args.stop_file, args.extra_steps, args.step_sleep)
     module = Regressor(args.seed)
     trainer = pl.Trainer(
         accelerator=pool.accelerator,
