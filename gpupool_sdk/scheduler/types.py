@@ -8,6 +8,7 @@ simulator builds them from a trace and applies decisions to its own model; both 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -69,6 +70,20 @@ class SchedulerConfig:
     max_preemption_attempts: int = 32
 
     def __post_init__(self) -> None:
+        for name in (
+            "overcommit_ratio",
+            "peak_margin",
+            "min_runtime_s",
+            "aging_s_per_priority",
+            "max_wait_s",
+            "preempt_grace_s",
+            "balloon_grace_s",
+            "reserve_after_s",
+            "las_promote_after_factor",
+        ):
+            # NaN slips through every `x < bound` check below, and infinity makes no sense for these.
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(name, f"must be a finite number, got {getattr(self, name)}")
         if self.overcommit_ratio < 1.0:
             raise ConfigError("overcommit_ratio", f"must be >= 1.0 (1.0 = no overcommit), got {self.overcommit_ratio}")
         if not 0.0 <= self.peak_margin <= 10.0:

@@ -133,11 +133,9 @@ def test_the_pool_client_refuses_bad_arguments_before_writing_anything(etcd_endp
     assert kvs == [], [kv.key for kv in kvs]
 
 
-# ---------------------------------------------------------------- scheduler settings (not ours to fix)
+# ---------------------------------------------------------------- scheduler settings
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler/types.py SchedulerConfig.__post_init__: range checks written as "
-                   "`x < bound` let NaN through (overcommit_ratio, peak_margin, the *_s durations)")
 @pytest.mark.parametrize("field", ["overcommit_ratio", "min_runtime_s", "aging_s_per_priority", "preempt_grace_s"])
 def test_scheduler_settings_refuse_nan(field: str) -> None:
     with pytest.raises(ConfigError) as err:

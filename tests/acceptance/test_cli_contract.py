@@ -13,8 +13,6 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from acceptance.cli import DEAD_ENDPOINT, explain, gpupool, gpupool_many
 from gpupool_sdk.cli.common import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from gpupool_sdk.inventory.catalog import known_names
@@ -105,8 +103,6 @@ def test_coordinator_refuses_bad_timing_and_settings_naming_the_flag() -> None:
     _check_table(rows)
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler/types.py SchedulerConfig.__post_init__ lets NaN through its range checks "
-                   "(NaN < 1.0 and NaN < 0 are False), so `gpupool coordinator --overcommit-ratio nan` starts")
 def test_coordinator_refuses_nan_scheduler_settings() -> None:
     base = ["coordinator", "--endpoints", DEAD_ENDPOINT, "--ttl", "4", "--loop-wait", "1"]
     _check_table([([*base, flag, "nan"], EXIT_USAGE, [flag]) for flag in ("--overcommit-ratio", "--aging")])
