@@ -62,6 +62,21 @@ def _enum(cls: type[enum.Enum], value: Any, field_name: str) -> Any:
         raise SpecError(field_name, f"got {value!r}; use one of {allowed}") from None
 
 
+def _canonical_model(name: str) -> str:
+    """Map a catalog alias (``"h100"``, ``"A100"``) to the name agents publish (``"H100-80GB"``).
+
+    A name the catalog does not know is kept as written: an NVML agent publishes a device the
+    catalog lacks under its own NVML name, and a spec may ask for exactly that.
+    """
+    from gpupool_sdk.errors import UnknownGpuModelError
+    from gpupool_sdk.inventory.catalog import lookup_model  # the catalog imports this package
+
+    try:
+        return lookup_model(name, "gpu_model").name
+    except UnknownGpuModelError:
+        return name
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a training job asks of the pool.
@@ -154,6 +169,7 @@ class JobSpec:
             check(self.anti_affinity, str, "anti_affinity")
         if self.gpu_model is not None:
             check(self.gpu_model, str, "gpu_model")
+            set_(self, "gpu_model", _canonical_model(self.gpu_model))
         check(self.owner, str, "owner")
 
     # Typed views (the dataclass fields accept strings for convenience; after validation they are normalised).

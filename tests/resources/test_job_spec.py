@@ -111,3 +111,10 @@ def test_record_type_errors_name_the_field():
         Directive.from_dict({"kind": "explode", "seq": 1, "deadline": 0})
     with pytest.raises(SpecError, match=r"status\.state"):
         JobStatus.from_dict({"state": "NAPPING"})
+
+
+def test_gpu_model_aliases_map_to_published_catalog_names():
+    assert JobSpec(name="j", memory="1GiB", gpu_model="h100").gpu_model == "H100-80GB"
+    assert JobSpec(name="j", memory="1GiB", gpu_model="A100-40GB").gpu_model == "A100-40GB"
+    # Unknown to the catalog: kept as written (an NVML agent may publish it under that name).
+    assert JobSpec(name="j", memory="1GiB", gpu_model="NVIDIA H100 NVL").gpu_model == "NVIDIA H100 NVL"
