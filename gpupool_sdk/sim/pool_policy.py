@@ -122,7 +122,13 @@ class PoolPolicy:
         self.max_pending = max_pending_in_snapshot
         # The scheduler's pending order is static (priority, LAS queue, FIFO) when aging and the
         # starvation bypass are off; then it can be kept incrementally here.
-        self._static_order = self.config.aging_s_per_priority == 0 and self.config.max_wait_s == 0
+        # The head of the queue may be kept pre-sorted only while the pending order does not depend
+        # on time: no aging, no max-wait promotion, no LAS starvation promotion.
+        self._static_order = (
+            self.config.aging_s_per_priority == 0
+            and self.config.max_wait_s == 0
+            and self.config.las_promote_after_factor == 0
+        )
         self._pkey: dict[str, tuple[int, int, int]] = {}
         self._psorted: list[tuple[int, int, int]] = []
         self._granted_views: dict[str, JobView] = {}
