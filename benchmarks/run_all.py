@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     args = ap.parse_args(argv)
     names = [n for n in BENCHES if not args.only or n in args.only]
+    raw_path = Path(args.out).with_suffix(".json")
+    # With --only, the other benchmarks keep their last recorded figures (from the .json beside the report).
+    previous: dict[str, Any] = json.loads(raw_path.read_text()) if args.only and raw_path.exists() else {}
     results: dict[str, Any] = {}
     for name in names:
         if not (HERE / f"{name}.py").exists():
@@ -106,8 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"wall_s": round(time.monotonic() - t0, 1), **dict(results[name])}
         print(json.dumps(results[name], default=str, indent=1)[:2000], flush=True)
 
+    for name in BENCHES:
+        if name not in results and name in previous:
+            results[name] = previous[name]
+    results = {n: results[n] for n in BENCHES if n in results}
+    raw_path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
     m = machine()
-    cmd = "python benchmarks/run_all.py" + (f" --only {' '.join(args.only)}" if args.only else "")
+    cmd = "python benchmarks/run_all.py" + (" (run one benchmark at a time with --only NAME)" if args.only else "")
     lines = [
         "# Benchmarks",
         "",
@@ -121,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     for name, res in results.items():
+        if name not in sys.modules and (HERE / f"{name}.py").exists():
+            _load(name)  # for its docstring only
         doc = getattr(sys.modules.get(name), "__doc__", None) or ""
         lines += [f"## {name}", ""]
         if doc.strip():
