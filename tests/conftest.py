@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,3 +102,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the item (``item.rep_call``...) so fixtures can see a failure."""
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+def dump_logs_if_failed(request: pytest.FixtureRequest, log_dir: Path, tail_chars: int = 5000) -> None:
+    """Print the tail of every ``*.log`` in ``log_dir`` when the test's call phase failed."""
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for f in sorted(log_dir.glob("*.log")):
+            sys.stderr.write(f"\n----- {f.name} (tail) -----\n{f.read_text(errors='replace')[-tail_chars:]}\n")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from conftest import dump_logs_if_failed
 
 from gpupool_sdk.resources import Allocation, JobState, JobStatus
 from gpupool_sdk.store import EtcdStore
@@ -136,16 +137,7 @@ def live_pool(etcd_endpoint: str, keyspace: Keyspace, tmp_path: Path, request: p
     try:
         yield p
     finally:
-        rep = getattr(request.node, "rep_call", None)
-        if rep is not None and rep.failed:
-            for f in sorted(tmp_path.glob("*.log")):
-                sys.stderr.write(f"\n----- {f.name} (tail) -----\n{f.read_text(errors='replace')[-5000:]}\n")
+        dump_logs_if_failed(request, tmp_path)
         p.close()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    rep = outcome.get_result()  # type: ignore[attr-defined]
-    if rep.when == "call":
-        item.rep_call = rep  # type: ignore[attr-defined]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import dump_logs_if_failed
 
 from gpupool_sdk.store.keyspace import Keyspace
 from scenarios.harness import Pool
@@ -19,15 +19,7 @@ def pool(etcd_endpoint: str, keyspace: Keyspace, tmp_path: Path, request: pytest
     try:
         yield p
     finally:
-        rep = getattr(request.node, "rep_call", None)
-        if rep is not None and rep.failed:
-            for f in sorted(tmp_path.glob("*.log")):
-                sys.stderr.write(f"\n----- {f.name} (tail) -----\n{f.read_text(errors='replace')[-4000:]}\n")
+        dump_logs_if_failed(request, tmp_path, tail_chars=4000)
         p.close()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    rep = outcome.get_result()
-    setattr(item, f"rep_{rep.when}", rep)
