@@ -13,7 +13,7 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--cluster", required=True, metavar="SPEC",
               help="Cluster in the agent's --simulate format; 'N*' repeats a node: '16*8xV100-32GB:nvlink'.")
 @click.option("--policy", "policies", multiple=True, default=("fifo", "tiresias", "gpupool"), show_default=True,
-              type=click.Choice(["fifo", "tiresias", "gpupool", "bestfit"]), help="Policy to run (repeat for several).")
+              type=click.Choice(["fifo", "tiresias", "gpupool", "bestfit", "gandiva"]), help="Policy to run (repeat for several).")
 @output_option
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Write the JCT CDF and utilization plot.")
 @click.option("--seed", default=0, show_default=True, help="Seeds duration draws, profiles and failures.")
@@ -33,11 +33,22 @@ from gpupool_sdk.cli.common import echo_json, output_option
               type=click.Choice(["guaranteed", "shared", "exclusive"]), help="gpupool: QoS of rows without a class.")
 @click.option("--las", "las", default="", metavar="GPU_S[,GPU_S...]",
               help="gpupool: least-attained-service queue thresholds (GPU-seconds); empty = off.")
+@click.option("--las-promote-factor", default=None, type=float, metavar="F",
+              help="gpupool, with --las: a job that waited F x its run so far counts as queue 0 again "
+                   "(starvation promotion; default 0 = off).")
+@click.option("--las-no-preempt", is_flag=True, default=False,
+              help="gpupool, with --las: LAS only orders pending jobs and never preempts for them.")
 @click.option("--min-runtime-s", default=0.0, show_default=True, help="gpupool: minimum run time before preemption.")
 @click.option("--aging-s", default=0.0, show_default=True,
               help="gpupool: seconds of waiting per priority point (0 = no aging; use with --min-runtime-s).")
 @click.option("--max-pending", default=None, type=int, metavar="N",
               help="gpupool speed knob: show the scheduler only the first N pending jobs (default: all).")
+@click.option("--gandiva-quantum-s", default=60.0, show_default=True, type=float, metavar="S",
+              help="gandiva: time slice; jobs are suspended and resumed round-robin when GPUs are oversubscribed.")
+@click.option("--gandiva-suspend-s", default=0.5, show_default=True, type=float, metavar="S",
+              help="gandiva: suspend cost (directive to freed GPUs).")
+@click.option("--gandiva-resume-s", default=0.5, show_default=True, type=float, metavar="S",
+              help="gandiva: resume cost (extra work at the next grant).")
 def simulate(
     trace_path: str,
     cluster: str,
@@ -56,26 +67,50 @@ def simulate(
     overcommit: float,
     untagged_qos: str,
     las: str,
+    las_promote_factor: float | None,
+    las_no_preempt: bool,
     min_runtime_s: float,
     aging_s: float,
     max_pending: int | None,
+    gandiva_quantum_s: float,
+    gandiva_suspend_s: float,
+    gandiva_resume_s: float,
 ) -> None:
     """Simulate a trace on a cluster under several policies and compare them to FIFO.
 
     Example: gpupool simulate --trace tiresias_60job.csv --cluster "2*8xV100-32GB" --policy fifo --policy gpupool
     """
+    import math
     from dataclasses import replace
 
     from gpupool_sdk.errors import ConfigError
     from gpupool_sdk.sim.engine import SimConfig
     from gpupool_sdk.sim.pool_policy import PoolMapping
-    from gpupool_sdk.sim.runner import DEFAULT_POOL_CONFIG, render_table, run_simulation, write_plot
+    from gpupool_sdk.sim.runner import (
+        DEFAULT_POOL_CONFIG,
+        GandivaSettings,
+        render_table,
+        run_simulation,
+        write_plot,
+    )
     from gpupool_sdk.sim.trace import load_trace
 
     try:
         thresholds = tuple(float(x) for x in las.split(",") if x.strip())
     except ValueError:
         raise ConfigError("--las", f"{las!r} is not a comma-separated list of GPU-seconds, e.g. 3600,36000") from None
+    if las_promote_factor is not None:
+        if not (las_promote_factor >= 0 and math.isfinite(las_promote_factor)):
+            raise ConfigError("--las-promote-factor", f"must be a finite number >= 0 (0 = off), got {las_promote_factor}")
+        if not thresholds:
+            raise ConfigError("--las-promote-factor", "promotes within LAS queues; give --las GPU_S[,GPU_S...] too")
+    if las_no_preempt and not thresholds:
+        raise ConfigError("--las-no-preempt", "turns off LAS preemption; give --las GPU_S[,GPU_S...] too")
+    try:
+        gandiva = GandivaSettings(quantum_s=gandiva_quantum_s, suspend_s=gandiva_suspend_s, resume_s=gandiva_resume_s)
+    except ConfigError as exc:
+        flag = "--gandiva-" + exc.field.removesuffix("_s").replace("_", "-") + "-s"
+        raise ConfigError(flag, str(exc).split(": ", 1)[1]) from None
     trace = load_trace(
         trace_path, seed=seed, max_jobs=max_jobs, time_scale=time_scale, censored=censored, sources=sources,
         max_duration_s=max_duration,
@@ -83,12 +118,13 @@ def simulate(
     sim_config = SimConfig(checkpoint_s=checkpoint_s, restart_s=restart_s, failure_mtbf_h=failure_mtbf_h, seed=seed)
     pool_config = replace(
         DEFAULT_POOL_CONFIG, overcommit_ratio=overcommit, las_threshold_gpu_s=thresholds, min_runtime_s=min_runtime_s,
-        aging_s_per_priority=aging_s,
+        aging_s_per_priority=aging_s, las_preempt=not las_no_preempt,
+        las_promote_after_factor=las_promote_factor or 0.0,
     )
     mapping = PoolMapping(untagged_qos=untagged_qos, preempt_grace_s=max(60.0, 2 * checkpoint_s))
     report = run_simulation(
         trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed,
-        max_pending_in_snapshot=max_pending,
+        max_pending_in_snapshot=max_pending, gandiva=gandiva,
     )
     if plot_path:
         write_plot(report, plot_path)

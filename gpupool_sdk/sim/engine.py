@@ -11,6 +11,10 @@ would, to its own model:
   other policies have the engine release at the ack;
 * ``Release`` frees the slices; SUSPENDED/PENDING jobs are queued again at once (``gpupool
   run`` re-queues a preempted job), and pay ``restart_s`` of extra work at their next grant;
+* a policy that suspends jobs in place rather than checkpointing them (Gandiva's suspend-resume)
+  declares ``suspend_s`` and ``resume_s``: its preempts then ack after ``suspend_s`` and the job
+  pays ``resume_s`` at its next grant, instead of the checkpoint and restart costs (a failed or
+  revoked job still pays the full restart);
 * ``Revoke`` frees the slices and loses the work since the last periodic checkpoint;
 * ``Balloon`` makes the job ack ``balloon_s`` later with the target reached; ``Shrink`` rewrites
   its quota; ``Deflate`` gives it back; ``Reject`` ends the job (counted);
@@ -135,7 +139,7 @@ class SimJob:
         "queued_since", "pending_s", "run_s", "last_run_s", "run_start", "attained_gpu_s", "preemptions",
         "failures", "restarts", "version", "granted_at", "directive_seq", "directive_kind", "directive_deadline",
         "directive_target", "directive_for", "acked", "ack_reached", "peak_known", "policy_data", "reject_reason",
-        "checkpoint_s", "restart_s",
+        "checkpoint_s", "restart_s", "restart_due",
     )
 
     def __init__(self, tj: TraceJob, demand: int, util: float, label: int) -> None:
@@ -182,6 +186,8 @@ class SimJob:
         #: per-job preemption cost from the trace's ``extra`` (``checkpoint_s=``, ``restart_s=``), else None.
         self.checkpoint_s = _extra_seconds(tj, "checkpoint_s")
         self.restart_s = _extra_seconds(tj, "restart_s")
+        #: extra work the job does at its next grant (set when it is stopped).
+        self.restart_due = 0.0
 
 
 def _extra_seconds(tj: TraceJob, key: str) -> float | None:
@@ -197,6 +203,15 @@ def _extra_seconds(tj: TraceJob, key: str) -> float | None:
     return v
 
 
+def _policy_seconds(policy: object, name: str) -> float | None:
+    v = getattr(policy, name, None)
+    if v is None:
+        return None
+    if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+        raise ConfigError(name, f"policy {getattr(policy, 'name', policy)!r} declares {name}={v!r}; must be seconds >= 0")
+    return float(v)
+
+
 class SimPolicy(Protocol):
     """A scheduling policy the engine can run.
 
@@ -204,6 +219,13 @@ class SimPolicy(Protocol):
         name: shown in reports.
         uses_protocol: True when the policy answers preempt acks with ``Release`` itself (the
             coordinator's protocol); False to have the engine release at the ack.
+
+    Optional attributes, read once when the engine is built:
+
+    * ``overcommit_ratio`` (float, default 1.0): memory a GPU may grant over its size;
+    * ``suspend_s`` and ``resume_s`` (float or None, default None): the policy's preemptions are
+      in-place suspensions that ack after ``suspend_s`` and cost ``resume_s`` of extra work at the
+      next grant, overriding the checkpoint and restart costs of the config and the trace.
     """
 
     name: str
@@ -329,6 +351,8 @@ class Simulator:
         self.wake_at: float | None = None
         #: called with a job whenever its state, slices or directive change (policies keep indexes with it).
         self.listeners: list[Callable[[SimJob], None]] = []
+        self._suspend_s = _policy_seconds(policy, "suspend_s")
+        self._resume_s = _policy_seconds(policy, "resume_s")
 
     # ------------------------------------------------------------------ events
 
@@ -453,6 +477,10 @@ class Simulator:
             job.remaining += lost_wall * job.rate
         job.last_run_s = self.now - job.run_start
         job.restarts += 1
+        if not lost_work and self._resume_s is not None:
+            job.restart_due = self._resume_s
+        else:
+            job.restart_due = self.config.restart_s if job.restart_s is None else job.restart_s
         job.rate = 0.0
         job.version += 1
         freed = self._unplace(job)
@@ -556,7 +584,7 @@ class Simulator:
         if job.first_start is None:
             job.first_start = self.now
         if job.restarts > 0:
-            job.remaining += self.config.restart_s if job.restart_s is None else job.restart_s
+            job.remaining += job.restart_due
         job.peak_known = True
         self.running[job.name] = job
         self._place(job, gpus, shares, mems)
@@ -588,7 +616,10 @@ class Simulator:
         job.version += 1
         self._changed(job)
         self._refresh(set(job.gpus), (job,))
-        ckpt = self.config.checkpoint_s if job.checkpoint_s is None else job.checkpoint_s
+        if self._suspend_s is not None:
+            ckpt = self._suspend_s
+        else:
+            ckpt = self.config.checkpoint_s if job.checkpoint_s is None else job.checkpoint_s
         self._push(self.now + ckpt, _ACK, job.index, job.directive_seq)
 
     def _balloon(self, d: Balloon) -> None:

@@ -10,19 +10,37 @@ from typing import Any
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
 from gpupool_sdk.scheduler.types import SchedulerConfig
-from gpupool_sdk.sim.baselines import BestFitPolicy, FifoPolicy, TiresiasPolicy
+from gpupool_sdk.sim.baselines import BestFitPolicy, FifoPolicy, GandivaPolicy, TiresiasPolicy
 from gpupool_sdk.sim.engine import DONE, SimConfig, SimPolicy, SimResult, Simulator
 from gpupool_sdk.sim.metrics import compute_metrics
 from gpupool_sdk.sim.pool_policy import PoolMapping, PoolPolicy
 from gpupool_sdk.sim.trace import Trace
 from gpupool_sdk.sim.workload import WorkloadModel
 
-POLICY_NAMES: tuple[str, ...] = ("fifo", "tiresias", "gpupool", "bestfit")
+POLICY_NAMES: tuple[str, ...] = ("fifo", "tiresias", "gpupool", "bestfit", "gandiva")
 
 #: The scheduler knobs the simulator runs ``gpupool`` with unless told otherwise. Aging is off:
 #: with aging, a job that waited gains priority over running jobs of its own class and preempts
 #: them, and with no minimum run time that thrashes (see docs/simulation.md).
 DEFAULT_POOL_CONFIG = SchedulerConfig(overcommit_ratio=1.5, aging_s_per_priority=0.0, max_wait_s=0.0)
+
+
+@dataclass(frozen=True)
+class GandivaSettings:
+    """Knobs of the ``gandiva`` policy (see :class:`~gpupool_sdk.sim.baselines.GandivaPolicy`).
+
+    Attributes:
+        quantum_s: time slice, seconds (Gandiva: 60 s).
+        suspend_s: from a suspend directive to the freed GPUs, seconds.
+        resume_s: extra work at the next grant after a suspension, seconds.
+    """
+
+    quantum_s: float = 60.0
+    suspend_s: float = 0.5
+    resume_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        GandivaPolicy(self.quantum_s, self.suspend_s, self.resume_s)  # validates, naming the field
 
 
 def make_policy(
@@ -31,8 +49,12 @@ def make_policy(
     mapping: PoolMapping | None = None,
     tiresias_thresholds: Sequence[float] = (3600.0,),
     max_pending_in_snapshot: int | None = None,
+    gandiva: GandivaSettings | None = None,
 ) -> SimPolicy:
-    """A fresh policy by name (``fifo``, ``tiresias``, ``gpupool``, ``bestfit``).
+    """A fresh policy by name (``fifo``, ``tiresias``, ``gpupool``, ``bestfit``, ``gandiva``).
+
+    ``pool_config`` carries every scheduler knob of ``gpupool`` (LAS thresholds, LAS preemption
+    and promotion, aging...); ``gandiva`` the time-slicing knobs (default :class:`GandivaSettings`).
 
     Raises:
         ConfigError: unknown name (the message lists the known ones).
@@ -45,6 +67,9 @@ def make_policy(
         return PoolPolicy(pool_config or DEFAULT_POOL_CONFIG, mapping, max_pending_in_snapshot)
     if name == "bestfit":
         return BestFitPolicy()
+    if name == "gandiva":
+        g = gandiva or GandivaSettings()
+        return GandivaPolicy(quantum_s=g.quantum_s, suspend_s=g.suspend_s, resume_s=g.resume_s)
     raise ConfigError("policy", f"unknown policy {name!r}; use one of {', '.join(POLICY_NAMES)}")
 
 
@@ -82,6 +107,7 @@ def run_simulation(
     workload: WorkloadModel | None = None,
     seed: int = 0,
     max_pending_in_snapshot: int | None = None,
+    gandiva: GandivaSettings | None = None,
 ) -> SimReport:
     """Simulate ``trace`` on ``cluster`` once per policy (same jobs, same workload draws).
 
@@ -95,6 +121,7 @@ def run_simulation(
         workload: the workload model (default: Lucid profiles and pairs, seeded with ``seed``).
         seed: seeds profile draws and failures.
         max_pending_in_snapshot: ``gpupool`` speed knob (see :class:`~gpupool_sdk.sim.pool_policy.PoolPolicy`).
+        gandiva: the ``gandiva`` policy's knobs (default :class:`GandivaSettings`).
 
     Example:
         >>> report = run_simulation(load_trace("tiresias_60job.csv"), "2*8xV100-32GB", ["fifo", "gpupool"])  # doctest: +SKIP
@@ -113,7 +140,9 @@ def run_simulation(
     for name in policies:
         if name in report.results:
             continue
-        policy = make_policy(name, pool_config, mapping, max_pending_in_snapshot=max_pending_in_snapshot)
+        policy = make_policy(
+            name, pool_config, mapping, max_pending_in_snapshot=max_pending_in_snapshot, gandiva=gandiva
+        )
         t0 = time.process_time()
         result = Simulator(trace.jobs, gpus, policy, wl, cfg).run()
         result.wall_s = time.process_time() - t0

@@ -1,13 +1,17 @@
-"""``gpupool simulate``: JSON keys, determinism with a seed, the table and the plot."""
+"""``gpupool simulate``: JSON keys, determinism with a seed, the table and the plot, policy flags."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from click.testing import CliRunner
+import pytest
+from click.testing import CliRunner, Result
 
 from gpupool_sdk.cli.simulate_cmd import simulate
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.scheduler.types import SchedulerConfig
 
 # Arrivals only: durations are drawn from the Tiresias samples with the seed.
 ROWS = "job_id,source,submit_s,num_gpu,gpu_fraction,priority\n" + "".join(
@@ -72,3 +76,83 @@ def test_bad_cluster_is_a_usage_error(tmp_path: Path) -> None:
     res = CliRunner().invoke(simulate, ["--trace", str(trace), "--cluster", "8xNOPE"])
     assert res.exit_code != 0
     assert "NOPE" in str(res.exception) or "NOPE" in res.output
+
+
+# Two 600 s jobs on one GPU, and a long job preempted by a short one under LAS (1 GPU).
+TWO_JOBS = "job_id,source,submit_s,duration_s,num_gpu\na,t,0,600,1\nb,t,0,600,1\n"
+LAS_ROWS = "job_id,source,submit_s,duration_s,num_gpu\na,t,0,1000,1\nb,t,200,100,1\n"
+
+
+def _run_cli(tmp_path: Path, rows: str, *args: str) -> Result:
+    trace = tmp_path / "rows.csv"
+    trace.write_text(rows)
+    return CliRunner().invoke(simulate, ["--trace", str(trace), "--cluster", "1xV100-32GB", *args])
+
+
+def test_gandiva_runs_with_fifo_and_takes_its_knobs(tmp_path: Path) -> None:
+    # Quantum 60 s, suspend 1 s, resume 2 s: a ends at 1240, b at 1260 (see test_gandiva), 20 suspends.
+    res = _run_cli(
+        tmp_path, TWO_JOBS, "--policy", "fifo", "--policy", "gandiva", "--gandiva-quantum-s", "60",
+        "--gandiva-suspend-s", "1", "--gandiva-resume-s", "2", "-o", "json",
+    )
+    assert res.exit_code == 0, res.output
+    policies = json.loads(res.output)["policies"]
+    assert list(policies) == ["fifo", "gandiva"]
+    assert policies["fifo"]["avg_jct_s"] == 900.0 and policies["fifo"]["preemptions"] == 0
+    assert policies["gandiva"]["avg_jct_s"] == 1250.0 and policies["gandiva"]["preemptions"] == 20
+    # A quantum longer than the jobs: no time-slicing left, FIFO's schedule.
+    res = _run_cli(tmp_path, TWO_JOBS, "--policy", "gandiva", "--gandiva-quantum-s", "600", "-o", "json")
+    assert json.loads(res.output)["policies"]["gandiva"]["avg_jct_s"] == 900.0
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--gandiva-quantum-s", "0"], "--gandiva-quantum-s"),
+        (["--gandiva-suspend-s", "-1"], "--gandiva-suspend-s"),
+        (["--gandiva-resume-s", "inf"], "--gandiva-resume-s"),
+        (["--las", "100", "--las-promote-factor", "-1"], "--las-promote-factor"),
+        (["--las", "100", "--las-promote-factor", "nan"], "--las-promote-factor"),
+        (["--las-promote-factor", "2"], "--las-promote-factor"),
+        (["--las-no-preempt"], "--las-no-preempt"),
+    ],
+)
+def test_bad_flag_values_name_the_flag(tmp_path: Path, args: list[str], flag: str) -> None:
+    res = _run_cli(tmp_path, TWO_JOBS, "--policy", "gandiva", "--policy", "gpupool", *args)
+    assert res.exit_code != 0
+    assert isinstance(res.exception, ConfigError)
+    assert res.exception.field == flag
+
+
+def test_las_no_preempt_keeps_las_to_ordering(tmp_path: Path) -> None:
+    # --las 100: b (fresh, queue 0) preempts a (1000 s, queue 1) at 200 unless --las-no-preempt.
+    def gpupool(*extra: str) -> dict:
+        res = _run_cli(tmp_path, LAS_ROWS, "--policy", "gpupool", "--las", "100", *extra, "-o", "json")
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)["policies"]["gpupool"]
+
+    assert gpupool()["preemptions"] == 1
+    off = gpupool("--las-no-preempt")
+    assert off["preemptions"] == 0
+    assert off["avg_jct_s"] == (1000 + (1100 - 200)) / 2
+
+
+def test_las_flags_reach_the_scheduler_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpupool_sdk.sim import runner
+
+    seen: dict[str, SchedulerConfig] = {}
+    real = runner.run_simulation
+
+    def spy(*args: object, **kwargs: Any) -> runner.SimReport:
+        seen["config"] = kwargs["pool_config"]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "run_simulation", spy)
+    res = _run_cli(tmp_path, LAS_ROWS, "--policy", "gpupool", "--las", "100,1000", "--las-promote-factor", "2.5",
+                   "--las-no-preempt", "-o", "json")
+    assert res.exit_code == 0, res.output
+    cfg = seen["config"]
+    assert (cfg.las_threshold_gpu_s, cfg.las_promote_after_factor, cfg.las_preempt) == ((100.0, 1000.0), 2.5, False)
+    res = _run_cli(tmp_path, LAS_ROWS, "--policy", "gpupool", "--las", "100", "-o", "json")
+    assert res.exit_code == 0, res.output
+    assert (seen["config"].las_promote_after_factor, seen["config"].las_preempt) == (0.0, True)
