@@ -31,6 +31,9 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--overcommit", default=1.5, show_default=True, help="gpupool: shared-class memory overcommit ratio.")
 @click.option("--untagged-qos", default="guaranteed", show_default=True,
               type=click.Choice(["guaranteed", "shared", "exclusive"]), help="gpupool: QoS of rows without a class.")
+@click.option("--class-priority", default="", metavar="CLASS=INT[,...]",
+              help="gpupool: queue priority per trace class, e.g. 'Guaranteed=20,LS=10,Burstable=5,BE=0' "
+                   "(default: every class priority 0; the class then only chooses the QoS).")
 @click.option("--las", "las", default="", metavar="GPU_S[,GPU_S...]",
               help="gpupool: least-attained-service queue thresholds (GPU-seconds); empty = off.")
 @click.option("--las-promote-factor", default=None, type=float, metavar="F",
@@ -66,6 +69,7 @@ def simulate(
     failure_mtbf_h: float | None,
     overcommit: float,
     untagged_qos: str,
+    class_priority: str,
     las: str,
     las_promote_factor: float | None,
     las_no_preempt: bool,
@@ -85,7 +89,7 @@ def simulate(
 
     from gpupool_sdk.errors import ConfigError
     from gpupool_sdk.sim.engine import SimConfig
-    from gpupool_sdk.sim.pool_policy import PoolMapping
+    from gpupool_sdk.sim.pool_policy import PoolMapping, parse_class_priority
     from gpupool_sdk.sim.runner import (
         DEFAULT_POOL_CONFIG,
         GandivaSettings,
@@ -107,6 +111,10 @@ def simulate(
     if las_no_preempt and not thresholds:
         raise ConfigError("--las-no-preempt", "turns off LAS preemption; give --las GPU_S[,GPU_S...] too")
     try:
+        class_prio = parse_class_priority(class_priority)
+    except ConfigError as exc:
+        raise ConfigError("--class-priority", str(exc).split(": ", 1)[1]) from None
+    try:
         gandiva = GandivaSettings(quantum_s=gandiva_quantum_s, suspend_s=gandiva_suspend_s, resume_s=gandiva_resume_s)
     except ConfigError as exc:
         flag = "--gandiva-" + exc.field.removesuffix("_s").replace("_", "-") + "-s"
@@ -121,7 +129,7 @@ def simulate(
         aging_s_per_priority=aging_s, las_preempt=not las_no_preempt,
         las_promote_after_factor=las_promote_factor or 0.0,
     )
-    mapping = PoolMapping(untagged_qos=untagged_qos, preempt_grace_s=max(60.0, 2 * checkpoint_s))
+    mapping = PoolMapping(untagged_qos=untagged_qos, class_priority=class_prio, preempt_grace_s=max(60.0, 2 * checkpoint_s))
     report = run_simulation(
         trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed,
         max_pending_in_snapshot=max_pending, gandiva=gandiva,

@@ -17,6 +17,8 @@ Definitions (also in ``docs/simulation.md``):
   (partly or wholly) but cannot host one slice of the next pending job (the longest-waiting one),
   sampled over the run; 0 while nothing waits. ``free_gpu_fraction_while_pending`` counts all
   free capacity while a job waits.
+* ``by_class``: per trace priority class (``"LS"``, ``"BE"``...; ``"-"`` for untagged rows), the
+  number of finished jobs and their average JCT and queueing: where a policy's gain or loss lands.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from gpupool_sdk.sim.engine import DONE, REJECTED, SimResult
+from gpupool_sdk.sim.engine import DONE, REJECTED, SimJob, SimResult
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -73,4 +75,21 @@ def compute_metrics(result: SimResult) -> dict[str, Any]:
         "balloons": result.balloons,
         "cycles": result.cycles,
         "wall_s": result.wall_s,
+        "by_class": _by_class(done),
     }
+
+
+def _by_class(done: Sequence[SimJob]) -> dict[str, dict[str, float]]:
+    groups: dict[str, list[SimJob]] = {}
+    for j in done:
+        groups.setdefault(j.tj.priority or "-", []).append(j)
+    out = {}
+    for name in sorted(groups):
+        jobs = groups[name]
+        jct = [j.end - j.submit for j in jobs if j.end is not None]
+        out[name] = {
+            "jobs": len(jobs),
+            "avg_jct_s": sum(jct) / len(jct) if jct else 0.0,
+            "avg_queue_s": sum(j.pending_s for j in jobs) / len(jobs),
+        }
+    return out

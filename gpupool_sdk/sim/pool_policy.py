@@ -7,16 +7,15 @@ them like the coordinator would (see :mod:`gpupool_sdk.sim.engine`).
 
 Trace rows become :class:`JobSpec` as follows (documented in ``docs/simulation.md``):
 
-========================  ============  ========  ==========================================
-trace ``priority``        QoS           priority  notes
-========================  ============  ========  ==========================================
-``Guaranteed``            guaranteed    20        Alibaba's reserved class
-``LS`` (latency-sens.)    guaranteed    10
-``Burstable``             shared        5         may be overcommitted and ballooned
-``BE`` (best effort)      shared        0         preempted first
-an integer ``n``          guaranteed    n
-empty / other             ``untagged_qos`` 0      Pollux/Sia/Tiresias traces have no classes
-========================  ============  ========  ==========================================
+* ``Guaranteed`` and ``LS`` (latency-sensitive) -> ``guaranteed``; ``Burstable`` and ``BE``
+  (best effort) -> ``shared``. These are Kubernetes/Koordinator QoS classes (Alibaba): they say
+  what a pod is guaranteed and what is evicted first, not who queues first, so every class gets
+  priority 0 unless ``PoolMapping.class_priority`` (``--class-priority``) gives it one;
+* an integer ``n`` -> ``guaranteed``, priority ``n``;
+* empty or another word -> ``untagged_qos``, priority 0 (Pollux/Sia/Tiresias have no classes).
+
+Among jobs of one priority the QoS class still decides who gives way first: shared slices are
+ballooned and preempted before guaranteed ones (the scheduler's victim order).
 
 ``compute_share`` = the trace's ``gpu_fraction``; ``memory`` = the job's memory demand times
 ``memory_request_factor`` (users ask more than they use), capped at the largest GPU; the
@@ -29,7 +28,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import (
@@ -49,13 +48,45 @@ from gpupool_sdk.scheduler.policy import Scheduler
 from gpupool_sdk.scheduler.types import ClusterSnapshot, Decision, JobView, SchedulerConfig
 from gpupool_sdk.sim.engine import DONE, PENDING, PREEMPTING, REJECTED, RUNNING, SimJob, Simulator
 
-#: trace priority class (lower-cased) -> (QoS, priority).
-QOS_MAP: Mapping[str, tuple[QoS, int]] = {
-    "guaranteed": (QoS.GUARANTEED, 20),
-    "ls": (QoS.GUARANTEED, 10),
-    "burstable": (QoS.SHARED, 5),
-    "be": (QoS.SHARED, 0),
+#: trace QoS class (lower-cased) -> the pool's QoS class.
+QOS_MAP: Mapping[str, QoS] = {
+    "guaranteed": QoS.GUARANTEED,
+    "ls": QoS.GUARANTEED,
+    "burstable": QoS.SHARED,
+    "be": QoS.SHARED,
 }
+
+#: ``--class-priority`` that ranks Alibaba's classes as queue priorities (the mapping the first
+#: simulation runs used; ``docs/simulation.md`` compares both).
+RANKED_CLASS_PRIORITY: Mapping[str, int] = {"guaranteed": 20, "ls": 10, "burstable": 5, "be": 0}
+
+
+def parse_class_priority(text: str) -> dict[str, int]:
+    """Parse ``"LS=10,BE=0"`` (class names case-insensitive) into ``{"ls": 10, "be": 0}``.
+
+    Raises:
+        ConfigError: a malformed pair or a non-integer priority (the message shows the form).
+
+    Example:
+        >>> parse_class_priority("LS=10, BE=0")
+        {'ls': 10, 'be': 0}
+    """
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip().lower()
+        try:
+            if not sep or not name:
+                raise ValueError(part)
+            out[name] = int(value.strip())
+        except ValueError:
+            raise ConfigError(
+                "class_priority", f"expected CLASS=INT pairs separated by commas (LS=10,BE=0), got {part!r}"
+            ) from None
+    return out
 
 
 @dataclass(frozen=True)
@@ -64,12 +95,15 @@ class PoolMapping:
 
     Attributes:
         untagged_qos: QoS of rows without a known priority class (``guaranteed`` or ``shared``).
+        class_priority: priority per trace class (lower-cased name -> priority); classes not
+            named get 0. Empty (default): the classes only choose the QoS.
         memory_request_factor: memory asked = demand x this (>= 1).
         min_runtime_s: the spec's minimum run time before it may be preempted.
         preempt_grace_s: the spec's time to checkpoint and ack.
     """
 
     untagged_qos: str = "guaranteed"
+    class_priority: Mapping[str, int] = field(default_factory=dict)
     memory_request_factor: float = 1.25
     min_runtime_s: float = 0.0
     preempt_grace_s: float = 60.0
@@ -83,12 +117,13 @@ class PoolMapping:
     def qos_priority(self, priority: str) -> tuple[QoS, int]:
         """The (QoS, priority) of a trace priority class."""
         key = priority.strip().lower()
+        prio = self.class_priority.get(key, 0)
         if key in QOS_MAP:
-            return QOS_MAP[key]
+            return QOS_MAP[key], prio
         try:
             return QoS.GUARANTEED, int(key)
         except ValueError:
-            return QoS(self.untagged_qos), 0
+            return QoS(self.untagged_qos), prio
 
 
 class PoolPolicy:

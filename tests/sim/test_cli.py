@@ -115,6 +115,7 @@ def test_gandiva_runs_with_fifo_and_takes_its_knobs(tmp_path: Path) -> None:
         (["--las", "100", "--las-promote-factor", "nan"], "--las-promote-factor"),
         (["--las-promote-factor", "2"], "--las-promote-factor"),
         (["--las-no-preempt"], "--las-no-preempt"),
+        (["--class-priority", "LS=high"], "--class-priority"),
     ],
 )
 def test_bad_flag_values_name_the_flag(tmp_path: Path, args: list[str], flag: str) -> None:
@@ -156,3 +157,22 @@ def test_las_flags_reach_the_scheduler_config(tmp_path: Path, monkeypatch: pytes
     res = _run_cli(tmp_path, LAS_ROWS, "--policy", "gpupool", "--las", "100", "-o", "json")
     assert res.exit_code == 0, res.output
     assert (seen["config"].las_promote_after_factor, seen["config"].las_preempt) == (0.0, True)
+
+
+def test_class_priority_lets_ls_preempt_be(tmp_path: Path) -> None:
+    # One 32 GiB GPU; x (BE, 20 GiB) runs from 0, y (LS, 20 GiB) arrives at 50. By default the classes
+    # are QoS only (both priority 0): y waits for x. With LS ranked above BE, y preempts x.
+    rows = "job_id,source,submit_s,start_s,end_s,duration_s,num_gpu,gpu_fraction,priority,status,extra\n" + "x,t,0,,,100,1,1.0,BE,,gpu_mem_gib=20\ny,t,50,,,40,1,1.0,LS,,gpu_mem_gib=20\n"
+    path = tmp_path / "pair.csv"
+    path.write_text(rows)
+
+    def gpupool(*extra: str) -> dict:
+        res = CliRunner().invoke(simulate, ["--trace", str(path), "--cluster", "1xV100-32GB",
+                                            "--policy", "gpupool", "-o", "json", *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)["policies"]["gpupool"]
+
+    flat = gpupool()
+    assert flat["preemptions"] == 0 and flat["by_class"]["LS"]["avg_queue_s"] == 50.0
+    ranked = gpupool("--class-priority", "LS=10,BE=0")
+    assert ranked["preemptions"] == 1 and ranked["by_class"]["LS"]["avg_queue_s"] < 50.0

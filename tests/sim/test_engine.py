@@ -11,7 +11,7 @@ from gpupool_sdk.resources import GiB
 from gpupool_sdk.sim.baselines import BestFitPolicy, FifoPolicy, TiresiasPolicy
 from gpupool_sdk.sim.engine import DONE, SimConfig, SimulationError, Simulator
 from gpupool_sdk.sim.metrics import compute_metrics
-from gpupool_sdk.sim.pool_policy import PoolPolicy
+from gpupool_sdk.sim.pool_policy import RANKED_CLASS_PRIORITY, PoolMapping, PoolPolicy, parse_class_priority
 from gpupool_sdk.sim.runner import DEFAULT_POOL_CONFIG
 from gpupool_sdk.sim.trace import load_trace
 from gpupool_sdk.sim.workload import Profile, WorkloadModel
@@ -21,6 +21,7 @@ HEADER = "job_id,source,submit_s,start_s,end_s,duration_s,num_gpu,gpu_fraction,p
 # One profile (50 % GPU busy, class 1) and a flat colocation speed of 0.5, so hand arithmetic is exact.
 WORKLOAD = WorkloadModel(profiles=[Profile("p", 0.5, 4096.0, 1)], slowdown=[[0.5] * 3] * 3)
 CONFIG = SimConfig(checkpoint_s=10.0, restart_s=20.0, tick_s=0.0)
+RANKED = PoolMapping(class_priority=RANKED_CLASS_PRIORITY)
 
 
 def _trace(tmp_path: Path, rows: str):
@@ -86,11 +87,11 @@ def test_gpupool_packs_fractional_jobs_with_colocation_slowdown(tmp_path: Path) 
 
 def test_gpupool_preempts_best_effort_for_latency_sensitive(tmp_path: Path) -> None:
     # One 32 GiB GPU. x (BE -> shared, 20 GiB used, 25 GiB asked) runs from 0.
-    # y (LS -> guaranteed priority 10, 25 GiB asked) arrives at 50: 25 + 25 > 32 and ballooning x to its
-    # predicted peak (22 GiB) is not enough, so x is preempted at 50, checkpoints 10 s, acks at 60, is
-    # released; y runs 60-100. x had 50 s of work left + 20 s restart = 70 s: it runs 100-170.
+    # y (LS -> guaranteed, ranked priority 10, 25 GiB asked) arrives at 50: 25 + 25 > 32 and ballooning x
+    # to its predicted peak (22 GiB) is not enough, so x is preempted at 50, checkpoints 10 s, acks at 60,
+    # is released; y runs 60-100. x had 50 s of work left + 20 s restart = 70 s: it runs 100-170.
     rows = "x,t,0,,,100,1,1.0,BE,,gpu_mem_gib=20\ny,t,50,,,40,1,1.0,LS,,gpu_mem_gib=20\n"
-    times, result = _run(tmp_path, rows, PoolPolicy(DEFAULT_POOL_CONFIG), cluster="1xV100-32GB")
+    times, result = _run(tmp_path, rows, PoolPolicy(DEFAULT_POOL_CONFIG, RANKED), cluster="1xV100-32GB")
     assert times == {"x": (0.0, 170.0), "y": (60.0, 100.0)}
     assert result.preemptions == 1
     x = next(j for j in result.jobs if j.tj.job_id == "x")
@@ -173,5 +174,38 @@ def test_per_job_preemption_cost_from_extra(tmp_path: Path) -> None:
         "x,t,0,,,100,1,1.0,BE,,gpu_mem_gib=20;checkpoint_s=5;restart_s=50\n"
         "y,t,50,,,40,1,1.0,LS,,gpu_mem_gib=20\n"
     )
-    times, _ = _run(tmp_path, rows, PoolPolicy(DEFAULT_POOL_CONFIG), cluster="1xV100-32GB")
+    times, _ = _run(tmp_path, rows, PoolPolicy(DEFAULT_POOL_CONFIG, RANKED), cluster="1xV100-32GB")
     assert times == {"x": (0.0, 195.0), "y": (55.0, 95.0)}
+
+
+def test_classes_choose_qos_not_priority_by_default(tmp_path: Path) -> None:
+    # The BE/LS pair again with the default mapping: both priority 0, so y (LS) does not preempt x (BE);
+    # x runs 0-100, y waits and runs 100-140. The classes still choose the QoS.
+    rows = "x,t,0,,,100,1,1.0,BE,,gpu_mem_gib=20\ny,t,50,,,40,1,1.0,LS,,gpu_mem_gib=20\n"
+    policy = PoolPolicy(DEFAULT_POOL_CONFIG)
+    times, result = _run(tmp_path, rows, policy, cluster="1xV100-32GB")
+    assert times == {"x": (0.0, 100.0), "y": (100.0, 140.0)}
+    assert result.preemptions == 0
+    specs = {j.tj.job_id: policy.spec_for(j) for j in result.jobs}
+    assert (specs["x"].qos, specs["x"].priority) == ("shared", 0)
+    assert (specs["y"].qos, specs["y"].priority) == ("guaranteed", 0)
+    # Per-class metrics: y waited 50 s, x none.
+    by_class = compute_metrics(result)["by_class"]
+    assert by_class == {
+        "BE": {"jobs": 1, "avg_jct_s": 100.0, "avg_queue_s": 0.0},
+        "LS": {"jobs": 1, "avg_jct_s": 90.0, "avg_queue_s": 50.0},
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("LS=10, be=0", {"ls": 10, "be": 0}), ("", {}), ("Guaranteed=-3,", {"guaranteed": -3})],
+)
+def test_class_priority_parses(text: str, expected: dict[str, int]) -> None:
+    assert parse_class_priority(text) == expected
+
+
+@pytest.mark.parametrize("text", ["LS", "LS=ten", "=3", "LS=1.5"])
+def test_bad_class_priority_names_the_field_and_form(text: str) -> None:
+    with pytest.raises(ValueError, match=r"class_priority: expected CLASS=INT pairs .*LS=10,BE=0"):
+        parse_class_priority(text)
