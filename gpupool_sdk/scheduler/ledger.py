@@ -76,6 +76,59 @@ class _ClassIndex:
         self.max_island = 0
 
 
+class GpuLayout:
+    """The static part of a ledger: GPUs in ledger order, their classes and NVLink islands.
+
+    It depends only on the GPUs and on which of them are schedulable, so a scheduler that runs
+    cycle after cycle on the same GPUs builds it once and starts each cycle's ledger from it
+    (:meth:`Ledger.from_layout`); nothing in it is mutated by a ledger.
+
+    Args:
+        gpus: every GPU of the snapshot (any order; sorted here by node, index, UUID).
+        schedulable: UUIDs that may take new slices (healthy, not cordoned, node not draining).
+    """
+
+    def __init__(self, gpus: Iterable[GpuInfo], schedulable: Iterable[str]) -> None:
+        self.gpus: list[GpuInfo] = sorted(gpus, key=lambda g: (g.node, g.index, g.uuid))
+        self.index_of: dict[str, int] = {g.uuid: i for i, g in enumerate(self.gpus)}
+        ok = set(schedulable)
+        self.schedulable: list[bool] = [g.uuid in ok for g in self.gpus]
+        self.nodes: list[str] = [g.node for g in self.gpus]
+        self.islands: list[int | None] = [g.nvlink_island for g in self.gpus]
+        sizes = Counter((g.node, g.nvlink_island) for g in self.gpus if g.nvlink_island is not None)
+        self.max_island = max(sizes.values(), default=0)
+        #: per class: (model, features, physical memory), largest NVLink island, idle keys sorted.
+        self.class_keys: list[_ClassKey] = []
+        self.class_island: list[int] = []
+        self.class_empty: list[list[tuple[float, int]]] = []
+        #: per GPU: its class number, or None when it is not schedulable.
+        self.class_id: list[int | None] = []
+        ids: dict[_ClassKey, int] = {}
+        for i, g in enumerate(self.gpus):
+            if not self.schedulable[i]:
+                self.class_id.append(None)
+                continue
+            key = (g.model, tuple(sorted(g.features)), g.memory_bytes)
+            c = ids.get(key)
+            if c is None:
+                c = ids[key] = len(self.class_keys)
+                self.class_keys.append(key)
+                self.class_island.append(0)
+                self.class_empty.append([])
+            self.class_id.append(c)
+            self.class_empty[c].append((float(g.memory_bytes), i))
+            if g.nvlink_island is not None:
+                self.class_island[c] = max(self.class_island[c], sizes[(g.node, g.nvlink_island)])
+        for lst in self.class_empty:
+            lst.sort()
+        #: per GPU: its idle key while it holds nothing.
+        self.empty_key: list[tuple[float, int] | None] = [None] * len(self.gpus)
+        for lst in self.class_empty:
+            for k in lst:
+                self.empty_key[k[1]] = k
+        self.all_healthy = all(g.health.healthy for g in self.gpus)
+
+
 class Ledger:
     """Per-GPU committed capacity plus the indexes placement needs.
 
@@ -86,17 +139,26 @@ class Ledger:
     """
 
     def __init__(self, gpus: Iterable[GpuInfo], schedulable: Iterable[str], overcommit_ratio: float) -> None:
-        self.gpus: list[GpuInfo] = sorted(gpus, key=lambda g: (g.node, g.index, g.uuid))
-        self.index_of: dict[str, int] = {g.uuid: i for i, g in enumerate(self.gpus)}
+        self._setup(GpuLayout(gpus, schedulable), overcommit_ratio)
+
+    @classmethod
+    def from_layout(cls, layout: GpuLayout, overcommit_ratio: float) -> Ledger:
+        """An empty ledger on the GPUs of ``layout`` (cheaper than the constructor: nothing is sorted)."""
+        ledger = cls.__new__(cls)
+        ledger._setup(layout, overcommit_ratio)
+        return ledger
+
+    def _setup(self, layout: GpuLayout, overcommit_ratio: float) -> None:
+        self.layout = layout
+        self.gpus = layout.gpus
+        self.index_of = layout.index_of
         self.ratio = overcommit_ratio
-        self.loads: list[GpuLoad] = [GpuLoad(phys=g.memory_bytes) for g in self.gpus]
-        ok = set(schedulable)
-        self.schedulable: list[bool] = [g.uuid in ok for g in self.gpus]
-        self.nodes: list[str] = [g.node for g in self.gpus]
-        self.islands: list[int | None] = [g.nvlink_island for g in self.gpus]
-        sizes = Counter((g.node, g.nvlink_island) for g in self.gpus if g.nvlink_island is not None)
+        self.loads: list[GpuLoad] = [GpuLoad(phys=g.memory_bytes) for g in layout.gpus]
+        self.schedulable = layout.schedulable
+        self.nodes = layout.nodes
+        self.islands = layout.islands
         #: the largest NVLink island of the pool (a pack gang larger than this needs a node or more).
-        self.max_island = max(sizes.values(), default=0)
+        self.max_island = layout.max_island
         self.holdings: dict[str, list[Holding]] = {}
         self.groups: dict[str, Counter[str]] = {}
         self.group_of: dict[str, str] = {}
@@ -106,31 +168,18 @@ class Ledger:
         #: bumped whenever capacity is freed; a failed placement stays failed while it is unchanged.
         self.frees = 0
         self._classes: dict[_ClassKey, _ClassIndex] = {}
-        self._class_of: list[_ClassIndex | None] = []
-        self._key_empty: list[tuple[float, int] | None] = [None] * len(self.gpus)
-        self._key_g: list[tuple[float, int] | None] = [None] * len(self.gpus)
-        self._bucket_g: list[int] = [0] * len(self.gpus)
-        self._key_s: list[tuple[float, int] | None] = [None] * len(self.gpus)
+        for c, key in enumerate(layout.class_keys):
+            cls = self._classes[key] = _ClassIndex(key[0], key[1], key[2])
+            cls.max_island = layout.class_island[c]
+            cls.empty = list(layout.class_empty[c])
+        by_id = list(self._classes.values())
+        self._class_of: list[_ClassIndex | None] = [None if c is None else by_id[c] for c in layout.class_id]
+        self._key_empty: list[tuple[float, int] | None] = list(layout.empty_key)
+        self._key_g: list[tuple[float, int] | None] = [None] * len(layout.gpus)
+        self._bucket_g: list[int] = [0] * len(layout.gpus)
+        self._key_s: list[tuple[float, int] | None] = [None] * len(layout.gpus)
         self._match_cache: dict[tuple[tuple[str, ...], str | None], list[_ClassIndex]] = {}
         self._count_cache: dict[tuple[tuple[str, ...], str | None], int] = {}
-        for i, g in enumerate(self.gpus):
-            if not self.schedulable[i]:
-                self._class_of.append(None)
-                continue
-            key = (g.model, tuple(sorted(g.features)), g.memory_bytes)
-            cls = self._classes.get(key)
-            if cls is None:
-                cls = self._classes[key] = _ClassIndex(g.model, key[1], g.memory_bytes)
-            self._class_of.append(cls)
-            k = (float(g.memory_bytes), i)
-            cls.empty.append(k)
-            self._key_empty[i] = k
-        for cls in self._classes.values():
-            cls.empty.sort()
-        for i, g in enumerate(self.gpus):
-            c = self._class_of[i]
-            if c is not None and g.nvlink_island is not None:
-                c.max_island = max(c.max_island, sizes[(g.node, g.nvlink_island)])
 
     # ------------------------------------------------------------------ accounting
 
@@ -239,19 +288,22 @@ class Ledger:
 
     def rebuild_index(self) -> None:
         """Rebuild every sorted index from the loads (after bulk :meth:`reserve` with ``reindex=False``)."""
+        layout = self.layout
+        n = len(self.gpus)
         for cls in self._classes.values():
-            cls.empty.clear()
             for lst in cls.part_g:
                 lst.clear()
             cls.part_s.clear()
-        n = len(self.gpus)
-        self._key_empty = [None] * n
+        self._key_empty = list(layout.empty_key)
         self._key_g = [None] * n
         self._key_s = [None] * n
-        for i in range(n):
+        loads = self.loads
+        key_empty = self._key_empty
+        for i in [i for i in range(n) if loads[i].slices]:
+            key_empty[i] = None
             self._place_keys(i, sort=False)
-        for cls in self._classes.values():
-            cls.empty.sort()
+        for c, cls in enumerate(self._classes.values()):
+            cls.empty = [k for k in layout.class_empty[c] if key_empty[k[1]] is not None]
             for lst in cls.part_g:
                 lst.sort()
             cls.part_s.sort()

@@ -25,7 +25,7 @@ from gpupool_sdk.resources import DirectiveKind, JobState, QoS
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import SliceRequest, predicted_peak, request_for, unschedulable_reason
 from gpupool_sdk.scheduler.health import health_preemptions
-from gpupool_sdk.scheduler.ledger import Holding, Ledger
+from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.ordering import effective_priority, las_rank, order_pending, waited_s
 from gpupool_sdk.scheduler.placement import holdings_for, place
 from gpupool_sdk.scheduler.preempt import (
@@ -44,7 +44,7 @@ from gpupool_sdk.scheduler.preempt import (
     victim_pool,
 )
 from gpupool_sdk.scheduler.protocol import freeing_for, handle_protocol, preempt_deadline, target_int
-from gpupool_sdk.scheduler.reject import reject_reason, summarize
+from gpupool_sdk.scheduler.reject import PoolClass, reject_reason, summarize
 from gpupool_sdk.scheduler.types import (
     Balloon,
     ClusterSnapshot,
@@ -62,28 +62,74 @@ from gpupool_sdk.scheduler.types import (
 )
 
 
-def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig) -> Ledger:
-    """The ledger of ``snapshot``: every GPU, which may take new slices, and every allocation held."""
-    schedulable = [
-        g.uuid
-        for g in snapshot.gpus.values()
-        if unschedulable_reason(g, snapshot.cordoned, snapshot.draining) is None
-    ]
-    ledger = Ledger(snapshot.gpus.values(), schedulable, config.overcommit_ratio)
-    for name in sorted(snapshot.jobs):
-        view = snapshot.jobs[name]
-        if not view.allocations:
-            continue
-        held = []
-        for a in view.allocations:
-            i = ledger.index_of.get(a.gpu_uuid)
-            if i is None:
-                continue  # GPU no longer published: nothing left to account on it
-            peak = predicted_peak(view, a.memory_bytes, config) if a.mode is QoS.SHARED else a.memory_bytes
-            held.append(Holding(i, a.mode, a.memory_bytes, a.compute_share, peak))
+def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _BuildMemo | None = None) -> Ledger:
+    """The ledger of ``snapshot``: every GPU, which may take new slices, and every allocation held.
+
+    ``memo`` (kept by a :class:`Scheduler` from cycle to cycle) reuses the GPU layout while the
+    GPUs, cordons and drains are unchanged, and each job's holdings while its view is the same
+    object; the ledger is the same as without it.
+    """
+    memo = memo if memo is not None else _BuildMemo()
+    layout = memo.layout_for(snapshot)
+    ledger = Ledger.from_layout(layout, config.overcommit_ratio)
+    index_of = ledger.index_of
+    old = memo.held if memo.config is config and memo.held_layout is layout else {}
+    held_by_job: dict[str, tuple[JobView, list[Holding]]] = {}
+    memo.vanished = False
+    jobs = snapshot.jobs
+    for name in sorted(n for n, v in jobs.items() if v.allocations):
+        view = jobs[name]
+        known = old.get(name)
+        if known is not None and known[0] is view:
+            held = known[1]
+            memo.vanished |= len(held) < len(view.allocations)
+        else:
+            held = []
+            for a in view.allocations:
+                i = index_of.get(a.gpu_uuid)
+                if i is None:
+                    memo.vanished = True
+                    continue  # GPU no longer published: nothing left to account on it
+                peak = predicted_peak(view, a.memory_bytes, config) if a.mode is QoS.SHARED else a.memory_bytes
+                held.append(Holding(i, a.mode, a.memory_bytes, a.compute_share, peak))
+        held_by_job[name] = (view, held)
         ledger.reserve(name, held, view.spec.anti_affinity, reindex=False)
+    memo.config, memo.held_layout, memo.held = config, layout, held_by_job
     ledger.rebuild_index()
     return ledger
+
+
+class _BuildMemo:
+    """What one cycle's ledger shares with the next (a memo of pure functions of the snapshot)."""
+
+    def __init__(self) -> None:
+        self.key: tuple[object, ...] | None = None
+        self.layout: GpuLayout | None = None
+        self.pool: list[PoolClass] = []
+        self.config: SchedulerConfig | None = None
+        self.held_layout: GpuLayout | None = None
+        self.held: dict[str, tuple[JobView, list[Holding]]] = {}
+        #: some allocation of the last ledger built is on a GPU no longer published.
+        self.vanished = False
+
+    def all_placeable(self, snapshot: ClusterSnapshot) -> bool:
+        """True when no allocation of ``snapshot`` must be vacated: every GPU healthy, none
+        missing, no node draining (call after :func:`build_ledger` on the same snapshot)."""
+        return self.layout is not None and self.layout.all_healthy and not snapshot.draining and not self.vanished
+
+    def layout_for(self, snapshot: ClusterSnapshot) -> GpuLayout:
+        """The :class:`GpuLayout` of ``snapshot`` (rebuilt only when GPUs, cordons or drains change)."""
+        key = (tuple(snapshot.gpus.values()), snapshot.cordoned, snapshot.draining)
+        if self.layout is None or self.key != key:
+            schedulable = [
+                g.uuid
+                for g in snapshot.gpus.values()
+                if unschedulable_reason(g, snapshot.cordoned, snapshot.draining) is None
+            ]
+            self.layout = GpuLayout(snapshot.gpus.values(), schedulable)
+            self.pool = summarize(snapshot.gpus.values())
+            self.key = key
+        return self.layout
 
 
 @dataclass
@@ -126,6 +172,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
+        self._memo = _BuildMemo()
 
     def schedule(self, snapshot: ClusterSnapshot) -> list[Decision]:
         """Run one cycle; returns the decisions in the order they should be applied."""
@@ -134,7 +181,7 @@ class Scheduler:
     def run(self, snapshot: ClusterSnapshot) -> ScheduleResult:
         """Run one cycle; returns the decisions plus how many pending jobs were considered."""
         config = self.config
-        ledger = build_ledger(snapshot, config)
+        ledger = build_ledger(snapshot, config, self._memo)
         cyc = _Cycle(snapshot, config, ledger)
         now = snapshot.now
 
@@ -148,7 +195,8 @@ class Scheduler:
                 cyc.preempting[dec.job] = dec.for_job
 
         # Health / drain.
-        for p in health_preemptions(snapshot, config, cyc.busy | proto.freed):
+        vacate = [] if self._memo.all_placeable(snapshot) else health_preemptions(snapshot, config, cyc.busy | proto.freed)
+        for p in vacate:
             cyc.decisions.append(p)
             cyc.busy.add(p.job)
             cyc.preempting[p.job] = None
@@ -179,7 +227,8 @@ class Scheduler:
                 cyc.decisions.append(Queue(view.name, "queued: no GPUs published"))
             return ScheduleResult(tuple(cyc.decisions), considered=0)
 
-        pool = summarize(snapshot.gpus.values())
+        self._memo.layout_for(snapshot)
+        pool = self._memo.pool
         reject_cache: dict[tuple[object, ...], str | None] = {}
         live: list[tuple[JobView, SliceRequest]] = []
         for view, count in pending:
@@ -427,10 +476,12 @@ class Scheduler:
     def _deflate(self, cyc: _Cycle) -> None:
         ledger = cyc.ledger
         config = cyc.config
-        for name in sorted(cyc.snapshot.jobs):
+        jobs = cyc.snapshot.jobs
+        # Only granted jobs without a directive can deflate: filter before sorting the names.
+        for name in sorted(n for n, v in jobs.items() if v.allocations and v.directive is None):
             if cyc.actions >= config.max_decisions:
                 return
-            view = cyc.snapshot.jobs[name]
+            view = jobs[name]
             if view.spec.qos_class is not QoS.SHARED or view.directive is not None or name in cyc.busy:
                 continue
             if view.state is not JobState.GRANTED or not view.allocations:
