@@ -44,6 +44,12 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--min-runtime-s", default=0.0, show_default=True, help="gpupool: minimum run time before preemption.")
 @click.option("--aging-s", default=0.0, show_default=True,
               help="gpupool: seconds of waiting per priority point (0 = no aging; use with --min-runtime-s).")
+@click.option("--elastic", "elastic", default="", metavar="MIN_FRACTION[,MAX_FACTOR]",
+              help="gpupool only: every job asking n GPUs (without its own min_gpu=/max_gpu= in extra) may run "
+                   "on ceil(n*MIN_FRACTION) to floor(n*MAX_FACTOR) GPUs, e.g. 0.5,2; baselines keep n.")
+@click.option("--elastic-sigma", default=0.05, show_default=True, type=float, metavar="SIGMA",
+              help="Serial fraction of the elastic speed-up: throughput(k) = k / (1 + SIGMA*(k-1)), "
+                   "normalised to the GPUs the trace asked for (0 = linear).")
 @click.option("--max-pending", default=None, type=int, metavar="N",
               help="gpupool speed knob: show the scheduler only the first N pending jobs (default: all).")
 @click.option("--gandiva-quantum-s", default=60.0, show_default=True, type=float, metavar="S",
@@ -75,6 +81,8 @@ def simulate(
     las_no_preempt: bool,
     min_runtime_s: float,
     aging_s: float,
+    elastic: str,
+    elastic_sigma: float,
     max_pending: int | None,
     gandiva_quantum_s: float,
     gandiva_suspend_s: float,
@@ -89,7 +97,7 @@ def simulate(
 
     from gpupool_sdk.errors import ConfigError
     from gpupool_sdk.sim.engine import SimConfig
-    from gpupool_sdk.sim.pool_policy import PoolMapping, parse_class_priority
+    from gpupool_sdk.sim.pool_policy import PoolMapping, parse_class_priority, parse_elastic
     from gpupool_sdk.sim.runner import (
         DEFAULT_POOL_CONFIG,
         GandivaSettings,
@@ -115,6 +123,10 @@ def simulate(
     except ConfigError as exc:
         raise ConfigError("--class-priority", str(exc).split(": ", 1)[1]) from None
     try:
+        elastic_bounds = parse_elastic(elastic) if elastic.strip() else None
+    except ConfigError as exc:
+        raise ConfigError("--elastic", str(exc).split(": ", 1)[1]) from None
+    try:
         gandiva = GandivaSettings(quantum_s=gandiva_quantum_s, suspend_s=gandiva_suspend_s, resume_s=gandiva_resume_s)
     except ConfigError as exc:
         flag = "--gandiva-" + exc.field.removesuffix("_s").replace("_", "-") + "-s"
@@ -123,13 +135,24 @@ def simulate(
         trace_path, seed=seed, max_jobs=max_jobs, time_scale=time_scale, censored=censored, sources=sources,
         max_duration_s=max_duration,
     )
-    sim_config = SimConfig(checkpoint_s=checkpoint_s, restart_s=restart_s, failure_mtbf_h=failure_mtbf_h, seed=seed)
+    try:
+        sim_config = SimConfig(
+            checkpoint_s=checkpoint_s, restart_s=restart_s, failure_mtbf_h=failure_mtbf_h, seed=seed,
+            elastic_sigma=elastic_sigma,
+        )
+    except ConfigError as exc:
+        if exc.field != "elastic_sigma":
+            raise
+        raise ConfigError("--elastic-sigma", str(exc).split(": ", 1)[1]) from None
     pool_config = replace(
         DEFAULT_POOL_CONFIG, overcommit_ratio=overcommit, las_threshold_gpu_s=thresholds, min_runtime_s=min_runtime_s,
         aging_s_per_priority=aging_s, las_preempt=not las_no_preempt,
         las_promote_after_factor=las_promote_factor or 0.0,
     )
-    mapping = PoolMapping(untagged_qos=untagged_qos, class_priority=class_prio, preempt_grace_s=max(60.0, 2 * checkpoint_s))
+    mapping = PoolMapping(
+        untagged_qos=untagged_qos, class_priority=class_prio, preempt_grace_s=max(60.0, 2 * checkpoint_s),
+        elastic=elastic_bounds,
+    )
     report = run_simulation(
         trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed,
         max_pending_in_snapshot=max_pending, gandiva=gandiva,

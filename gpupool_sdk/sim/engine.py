@@ -18,13 +18,36 @@ would, to its own model:
 * ``Revoke`` frees the slices and loses the work since the last periodic checkpoint;
 * ``Balloon`` makes the job ack ``balloon_s`` later with the target reached; ``Shrink`` rewrites
   its quota; ``Deflate`` gives it back; ``Reject`` ends the job (counted);
-* ``Queue`` and ``Resize`` (trace jobs are not elastic) change nothing.
+* ``Resize`` (an elastic job to another slice count) is applied as the coordinator does: the job
+  is told to checkpoint (no progress, like a preemption but not counted as one: ``resizes``),
+  acks ``checkpoint_s`` later, the policy answers the ack with ``Release`` to PENDING and grants
+  it again at the new count (the :class:`~gpupool_sdk.scheduler.policy.Scheduler` does both in
+  the same cycle), and the job pays ``restart_s`` of extra work at that grant: a rescale costs
+  what a preemption costs (10 s + 20 s = 30 s by default, Pollux's figure);
+* ``Queue`` changes nothing.
+
+Elastic jobs: a job may run on ``k`` slices with ``min <= k <= max``, where the bounds come from
+the policy's optional ``gpu_bounds(job)`` (the ``gpupool`` adapter returns its spec's
+``min_gpus``/``max_gpus``), else from the trace row (``min_gpu=`` / ``max_gpu=``, default
+``num_gpu``); a grant outside them raises :class:`SimulationError`. Its speed scales with ``k``
+relative to the ``n = num_gpu`` the trace's run time was measured on, by a serial-fraction
+(Amdahl-like) model with ``sigma = SimConfig.elastic_sigma``::
+
+    throughput(k) = k / (1 + sigma * (k - 1))
+    scale(k)      = throughput(k) / throughput(n)        (1 exactly when k == n)
+
+so a job asking ``n`` GPUs for ``d`` seconds finishes in exactly ``d`` on ``n`` slices alone, and
+in ``d / scale(k)`` on ``k``. (``sigma = 0``: linear speed-up; ``sigma = 0.05``, the default: 2
+GPUs give 1.90x one GPU, 8 give 5.93x.)
 
 Progress model: a job has ``remaining`` seconds of work at speed 1 (alone on what it asked
 for). While running, it advances at its *rate*: the colocation speed from the
 :class:`~gpupool_sdk.sim.workload.WorkloadModel` (product of pairwise Lucid factors with the
 other jobs on its GPU; a gang runs at its slowest GPU's speed), times ``balloon_speed`` while
-it is ballooned below its demand. While preempting (writing its checkpoint) it makes no progress.
+it is ballooned below its demand, times ``scale(k)`` on ``k`` slices (elastic jobs). While
+preempting or resizing (writing its checkpoint) it makes no progress. The GPU-used metric counts
+the colocation and balloon speeds, not ``scale(k)``: a GPU of an elastic gang is as busy as the
+profile says, whatever the gang's size.
 """
 
 from __future__ import annotations
@@ -58,7 +81,32 @@ try:  # Shrink lands with the scheduler; older type modules lack it.
 except ImportError:  # pragma: no cover
     Shrink = None  # type: ignore[assignment,misc]
 
+
+def elastic_throughput(k: int, sigma: float) -> float:
+    """Relative throughput of a data-parallel job on ``k`` GPUs: ``k / (1 + sigma * (k - 1))``.
+
+    Example:
+        >>> elastic_throughput(2, 0.25)
+        1.6
+    """
+    return k / (1.0 + sigma * (k - 1))
+
+
+def elastic_scale(k: int, n: int, sigma: float) -> float:
+    """Speed of a job on ``k`` slices relative to the ``n`` it asked for (exactly 1.0 when ``k == n``).
+
+    Example:
+        >>> elastic_scale(1, 2, 0.25)
+        0.625
+    """
+    if k == n:
+        return 1.0
+    return elastic_throughput(k, sigma) / elastic_throughput(n, sigma)
+
 EPS = 1e-9
+
+#: at most this many extra cycles at one instant when a policy's ``follow_up`` asks for them.
+MAX_FOLLOW_UPS = 3
 
 # Job states inside the engine.
 FUTURE = "future"
@@ -99,6 +147,10 @@ class SimConfig:
             it is older than this.
         max_cycles: stop with :class:`SimulationError` after this many scheduling cycles (a policy
             that thrashes, or failures faster than jobs can finish); None = 1000 per job + 100,000.
+        elastic_sigma: serial fraction of the elastic speed-up model, in [0, 1]: a job on ``k``
+            slices runs at ``throughput(k) / throughput(num_gpu)`` with ``throughput(k) = k / (1 +
+            sigma * (k - 1))`` (0 = linear; 1 = no speed-up at all). Only jobs granted another
+            slice count than they asked (elastic jobs) are affected.
     """
 
     checkpoint_s: float = 10.0
@@ -114,6 +166,7 @@ class SimConfig:
     clip_memory: bool = True
     view_refresh_s: float = 60.0
     max_cycles: int | None = None
+    elastic_sigma: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("checkpoint_s", "restart_s", "balloon_s", "repair_s", "tick_s", "view_refresh_s"):
@@ -126,6 +179,10 @@ class SimConfig:
             raise ConfigError("checkpoint_interval_s", f"must be > 0, got {self.checkpoint_interval_s}")
         if self.failure_mtbf_h is not None and not self.failure_mtbf_h > 0:
             raise ConfigError("failure_mtbf_h", f"must be > 0 hours (or None for no failures), got {self.failure_mtbf_h}")
+        if not (0.0 <= self.elastic_sigma <= 1.0):  # NaN fails too
+            raise ConfigError(
+                "elastic_sigma", f"must be in [0, 1] (0 = linear speed-up, 0.05 = 5 % serial), got {self.elastic_sigma}"
+            )
         if self.stranded_samples < 1:
             raise ConfigError("stranded_samples", f"must be >= 1, got {self.stranded_samples}")
 
@@ -139,7 +196,7 @@ class SimJob:
         "queued_since", "pending_s", "run_s", "last_run_s", "run_start", "attained_gpu_s", "preemptions",
         "failures", "restarts", "version", "granted_at", "directive_seq", "directive_kind", "directive_deadline",
         "directive_target", "directive_for", "acked", "ack_reached", "peak_known", "policy_data", "reject_reason",
-        "checkpoint_s", "restart_s", "restart_due",
+        "checkpoint_s", "restart_s", "restart_due", "scale", "resizes",
     )
 
     def __init__(self, tj: TraceJob, demand: int, util: float, label: int) -> None:
@@ -188,6 +245,10 @@ class SimJob:
         self.restart_s = _extra_seconds(tj, "restart_s")
         #: extra work the job does at its next grant (set when it is stopped).
         self.restart_due = 0.0
+        #: speed factor of its current slice count (elastic jobs; 1.0 on the count it asked).
+        self.scale = 1.0
+        #: resize directives applied to it.
+        self.resizes = 0
 
 
 def _extra_seconds(tj: TraceJob, key: str) -> float | None:
@@ -225,7 +286,13 @@ class SimPolicy(Protocol):
     * ``overcommit_ratio`` (float, default 1.0): memory a GPU may grant over its size;
     * ``suspend_s`` and ``resume_s`` (float or None, default None): the policy's preemptions are
       in-place suspensions that ack after ``suspend_s`` and cost ``resume_s`` of extra work at the
-      next grant, overriding the checkpoint and restart costs of the config and the trace.
+      next grant, overriding the checkpoint and restart costs of the config and the trace;
+    * ``gpu_bounds(job) -> (min, max)``: the slice counts the policy may grant ``job`` (default:
+      the trace row's ``min_gpu=`` / ``max_gpu=``, else exactly ``num_gpu``);
+    * ``follow_up(sim) -> bool``: called after a cycle's decisions are applied; True asks for
+      another cycle at the same instant (at most :data:`MAX_FOLLOW_UPS`), as the coordinator's
+      next cycle sees its own writes at once (the ``gpupool`` adapter uses it to grow an elastic
+      job granted below its maximum in the same instant, not at the next event).
     """
 
     name: str
@@ -277,6 +344,7 @@ class SimResult:
     cycles: int
     timeline: Timeline
     wall_s: float = 0.0
+    resizes: int = 0
 
 
 class Simulator:
@@ -347,12 +415,14 @@ class Simulator:
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self._rng = random.Random(f"failures:{self.config.seed}")
-        self.preemptions = self.failures = self.revokes = self.balloons = self.cycles = 0
+        self.preemptions = self.failures = self.revokes = self.balloons = self.cycles = self.resizes = 0
         self.wake_at: float | None = None
         #: called with a job whenever its state, slices or directive change (policies keep indexes with it).
         self.listeners: list[Callable[[SimJob], None]] = []
         self._suspend_s = _policy_seconds(policy, "suspend_s")
         self._resume_s = _policy_seconds(policy, "resume_s")
+        self._policy_bounds: Callable[[SimJob], tuple[int, int]] | None = getattr(policy, "gpu_bounds", None)
+        self._follow_up: Callable[[Simulator], bool] | None = getattr(policy, "follow_up", None)
 
     # ------------------------------------------------------------------ events
 
@@ -381,7 +451,7 @@ class Simulator:
                 s = coloc(job.label, others)
                 if s < speed:
                     speed = s
-        return speed * job.balloon_factor
+        return speed * job.balloon_factor * job.scale
 
     def _refresh(self, gpus: set[int], extra_jobs: Sequence[SimJob] = ()) -> None:
         """Recompute rates of jobs touching ``gpus`` and metric contributions of the GPUs they touch."""
@@ -411,7 +481,7 @@ class Simulator:
         mem_used = 0
         for j in self.on_gpu[g]:
             k = j.gpus.index(g)
-            used += j.shares[k] * j.util * j.rate
+            used += j.shares[k] * j.util * (j.rate / j.scale)
             mem_used += min(j.demand, j.mems[k])
         used = min(1.0, used)
         mem = float(min(total, mem_used))
@@ -426,6 +496,7 @@ class Simulator:
 
     def _place(self, job: SimJob, gpus: list[int], shares: list[float], mems: list[int]) -> None:
         job.gpus, job.shares, job.mems = gpus, shares, mems
+        job.scale = elastic_scale(len(gpus), job.num_gpu, self.config.elastic_sigma)
         for g, s, m in zip(gpus, shares, mems, strict=True):
             if not self.on_gpu[g]:
                 self._set_idle(g, False)
@@ -543,7 +614,9 @@ class Simulator:
                 job = self._job(d.job, d)
                 if job.state != REJECTED:
                     self.reject(job, d.reason)
-            elif isinstance(d, (Queue, Resize)):
+            elif isinstance(d, Resize):
+                self._resize(d)
+            elif isinstance(d, Queue):
                 continue
             else:  # pragma: no cover - a new decision type
                 raise SimulationError(f"unknown decision {d!r}; teach gpupool_sdk.sim.engine to apply it")
@@ -554,12 +627,24 @@ class Simulator:
             raise SimulationError(f"decision {d!r} names unknown job {name!r}")
         return job
 
+    def gpu_bounds(self, job: SimJob) -> tuple[int, int]:
+        """(fewest, most) slices ``job`` may be granted: the policy's ``gpu_bounds``, else the trace row's."""
+        if self._policy_bounds is not None:
+            return self._policy_bounds(job)
+        tj = job.tj
+        return (tj.min_gpu or job.num_gpu, tj.max_gpu or job.num_gpu)
+
+    def _check_count(self, what: str, job: SimJob, count: int) -> None:
+        lo, hi = self.gpu_bounds(job)
+        if not lo <= count <= hi:
+            accepts = f"asks {job.num_gpu}" if lo == hi else f"accepts {lo}-{hi} (elastic)"
+            raise SimulationError(f"{what} for {job.name} has {count} slices; the job {accepts}")
+
     def _grant(self, d: Grant) -> None:
         job = self._job(d.job, d)
         if job.state != PENDING:
             raise SimulationError(f"Grant for {d.job} in state {job.state}; only pending jobs can be granted")
-        if len(d.slices) != job.num_gpu:
-            raise SimulationError(f"Grant for {d.job} has {len(d.slices)} slices; the job asks {job.num_gpu}")
+        self._check_count("Grant", job, len(d.slices))
         gpus: list[int] = []
         shares: list[float] = []
         mems: list[int] = []
@@ -620,6 +705,28 @@ class Simulator:
             ckpt = self._suspend_s
         else:
             ckpt = self.config.checkpoint_s if job.checkpoint_s is None else job.checkpoint_s
+        self._push(self.now + ckpt, _ACK, job.index, job.directive_seq)
+
+    def _resize(self, d: Resize) -> None:
+        """Start a resize: the job checkpoints (no progress) and acks; it is re-granted at the ack."""
+        job = self._job(d.job, d)
+        if job.state != RUNNING:
+            return
+        self._check_count("Resize", job, d.gpus)
+        self._advance(job)
+        self.resizes += 1
+        job.resizes += 1
+        job.state = PREEMPTING
+        job.directive_seq += 1
+        job.directive_kind = "resize"
+        job.directive_deadline = d.deadline
+        job.directive_target = d.gpus
+        job.directive_for = None
+        job.acked = False
+        job.version += 1
+        self._changed(job)
+        self._refresh(set(job.gpus), (job,))
+        ckpt = self.config.checkpoint_s if job.checkpoint_s is None else job.checkpoint_s
         self._push(self.now + ckpt, _ACK, job.index, job.directive_seq)
 
     def _balloon(self, d: Balloon) -> None:
@@ -753,9 +860,10 @@ class Simulator:
                     job = self.jobs[idx]
                     active += 1
                     job.last = t
-                    if job.num_gpu > len(self.gpus):
+                    fewest = self.gpu_bounds(job)[0]
+                    if fewest > len(self.gpus):
                         self._enqueue(job)
-                        self.reject(job, f"asks {job.num_gpu} GPUs; the cluster has {len(self.gpus)}")
+                        self.reject(job, f"asks {fewest} GPUs; the cluster has {len(self.gpus)}")
                         active -= 1
                         continue
                     if job.demand > self.max_gpu_memory:
@@ -816,6 +924,11 @@ class Simulator:
                         "(give preempted jobs a minimum run time) or failures outpace progress (raise failure_mtbf_h)"
                     )
                 self.apply(self.policy.schedule(self))
+                follow_ups = 0
+                while self._follow_up is not None and follow_ups < MAX_FOLLOW_UPS and self._follow_up(self):
+                    follow_ups += 1
+                    self.cycles += 1
+                    self.apply(self.policy.schedule(self))
             if t >= next_sample:
                 cur_stranded, cur_free = self._stranded()
                 next_sample = t + sample_every
@@ -854,4 +967,5 @@ class Simulator:
             balloons=self.balloons,
             cycles=self.cycles,
             timeline=tl,
+            resizes=self.resizes,
         )

@@ -17,6 +17,12 @@ Trace rows become :class:`JobSpec` as follows (documented in ``docs/simulation.m
 Among jobs of one priority the QoS class still decides who gives way first: shared slices are
 ballooned and preempted before guaranteed ones (the scheduler's victim order).
 
+Elastic bounds (``min_gpus`` / ``max_gpus``): a row's own ``min_gpu=`` / ``max_gpu=`` in ``extra``
+(a missing one = ``num_gpu``); else, with ``PoolMapping.elastic = (f, m)`` (``--elastic f,m``),
+every job asking ``n`` GPUs gets ``min_gpus = ceil(n * f)`` and ``max_gpus = floor(n * m)``; else
+rigid (``n``). The scheduler then grants fewer slices (down to ``min_gpus``) when ``n`` do not fit
+and grows granted jobs toward ``max_gpus`` with ``Resize`` when nothing waits.
+
 ``compute_share`` = the trace's ``gpu_fraction``; ``memory`` = the job's memory demand times
 ``memory_request_factor`` (users ask more than they use), capped at the largest GPU; the
 telemetry peak the scheduler sees (``memory_peak_bytes``) is the demand itself, known once the
@@ -47,6 +53,7 @@ from gpupool_sdk.scheduler.ordering import las_queue, order_pending
 from gpupool_sdk.scheduler.policy import Scheduler
 from gpupool_sdk.scheduler.types import ClusterSnapshot, Decision, JobView, SchedulerConfig
 from gpupool_sdk.sim.engine import DONE, PENDING, PREEMPTING, REJECTED, RUNNING, SimJob, Simulator
+from gpupool_sdk.sim.trace import TraceJob
 
 #: trace QoS class (lower-cased) -> the pool's QoS class.
 QOS_MAP: Mapping[str, QoS] = {
@@ -89,6 +96,38 @@ def parse_class_priority(text: str) -> dict[str, int]:
     return out
 
 
+def parse_elastic(text: str) -> tuple[float, float]:
+    """Parse ``"MIN_FRACTION[,MAX_FACTOR]"`` (``--elastic``): ``"0.5,2"`` -> ``(0.5, 2.0)``; the factor defaults to 1.
+
+    Raises:
+        ConfigError: not one or two numbers, a fraction outside (0, 1] or a factor below 1.
+
+    Example:
+        >>> parse_elastic("0.5,2")
+        (0.5, 2.0)
+    """
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        if not 1 <= len(parts) <= 2:
+            raise ValueError(text)
+        frac = float(parts[0])
+        factor = float(parts[1]) if len(parts) == 2 else 1.0
+    except ValueError:
+        raise ConfigError(
+            "elastic", f"expected MIN_FRACTION[,MAX_FACTOR], e.g. 0.5,2 (min = ceil(n*0.5), max = n*2), got {text!r}"
+        ) from None
+    _check_elastic((frac, factor))
+    return frac, factor
+
+
+def _check_elastic(elastic: tuple[float, float]) -> None:
+    frac, factor = elastic
+    if not 0.0 < frac <= 1.0:  # NaN fails too
+        raise ConfigError("elastic", f"MIN_FRACTION must be in (0, 1] (0.5 = down to half the GPUs), got {frac}")
+    if not (1.0 <= factor < math.inf):
+        raise ConfigError("elastic", f"MAX_FACTOR must be a finite number >= 1 (2 = up to twice the GPUs), got {factor}")
+
+
 @dataclass(frozen=True)
 class PoolMapping:
     """How trace rows become job specs for the ``gpupool`` policy.
@@ -100,6 +139,9 @@ class PoolMapping:
         memory_request_factor: memory asked = demand x this (>= 1).
         min_runtime_s: the spec's minimum run time before it may be preempted.
         preempt_grace_s: the spec's time to checkpoint and ack.
+        elastic: ``(min_fraction, max_factor)``: every job asking ``n`` GPUs without its own
+            ``min_gpu=`` / ``max_gpu=`` becomes elastic from ``ceil(n * min_fraction)`` to
+            ``floor(n * max_factor)`` GPUs; None (default): such jobs are rigid.
     """
 
     untagged_qos: str = "guaranteed"
@@ -107,12 +149,33 @@ class PoolMapping:
     memory_request_factor: float = 1.25
     min_runtime_s: float = 0.0
     preempt_grace_s: float = 60.0
+    elastic: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.elastic is not None:
+            _check_elastic(self.elastic)
         if self.untagged_qos not in ("guaranteed", "shared", "exclusive"):
             raise ConfigError("untagged_qos", f"use guaranteed, shared or exclusive, got {self.untagged_qos!r}")
         if not self.memory_request_factor >= 1.0:
             raise ConfigError("memory_request_factor", f"must be >= 1, got {self.memory_request_factor}")
+
+    def gpu_bounds(self, tj: TraceJob) -> tuple[int, int]:
+        """(min_gpus, max_gpus) of a trace job: its row's bounds, else ``elastic``'s, else rigid.
+
+        Example:
+            >>> from gpupool_sdk.sim.trace import TraceJob
+            >>> tj = TraceJob(index=0, job_id="a", source="t", submit_s=0, duration_s=60, num_gpu=3, gpu_fraction=1)
+            >>> PoolMapping(elastic=(0.5, 2)).gpu_bounds(tj)
+            (2, 6)
+        """
+        n = tj.num_gpu
+        if tj.min_gpu is not None or tj.max_gpu is not None:
+            return (tj.min_gpu or n, tj.max_gpu or n)
+        if self.elastic is None:
+            return (n, n)
+        frac, factor = self.elastic
+        # The epsilon keeps 3 * (1/3) from rounding up to 2.
+        return (max(1, math.ceil(n * frac - 1e-9)), max(n, math.floor(n * factor + 1e-9)))
 
     def qos_priority(self, priority: str) -> tuple[QoS, int]:
         """The (QoS, priority) of a trace priority class."""
@@ -175,6 +238,10 @@ class PoolPolicy:
         self._specs: dict[int, JobSpec] = {}
         self._inflight: set[str] = set()
         self._gpus: dict[str, GpuInfo] = {}
+        #: running elastic jobs below their max_gpus (a cycle may grow them when capacity frees).
+        self._growable: set[str] = set()
+        #: the snapshot changed since the last cycle (a cycle on the same snapshot decides the same).
+        self._dirty = True
         self.cycles = 0
 
     # ------------------------------------------------------------------ specs
@@ -184,21 +251,28 @@ class PoolPolicy:
         spec = self._specs.get(job.index)
         if spec is None:
             qos, prio = self.mapping.qos_priority(job.tj.priority)
+            lo, hi = self.mapping.gpu_bounds(job.tj)
             cap = self.sim.max_gpu_memory
             # Users ask memory in whole GiB.
             memory = int(math.ceil(job.demand * self.mapping.memory_request_factor / GiB)) * GiB
             memory = max(min(cap, memory), min(cap, job.demand), 1)
             if qos is QoS.EXCLUSIVE:
                 spec = JobSpec(name=job.name, gpus=job.num_gpu, qos=qos, priority=prio, memory=0,
-                               min_runtime_s=self.mapping.min_runtime_s, preempt_grace_s=self.mapping.preempt_grace_s)
+                               min_runtime_s=self.mapping.min_runtime_s, preempt_grace_s=self.mapping.preempt_grace_s,
+                               min_gpus=lo, max_gpus=hi)
             else:
                 spec = JobSpec(
                     name=job.name, gpus=job.num_gpu, memory=memory, compute_share=float(job.fraction), qos=qos,
                     priority=prio, min_runtime_s=self.mapping.min_runtime_s,
-                    preempt_grace_s=self.mapping.preempt_grace_s,
+                    preempt_grace_s=self.mapping.preempt_grace_s, min_gpus=lo, max_gpus=hi,
                 )
             self._specs[job.index] = spec
         return spec
+
+    def gpu_bounds(self, job: SimJob) -> tuple[int, int]:
+        """(fewest, most) slices the scheduler may grant ``job`` (its spec's elastic bounds; the engine checks grants)."""
+        spec = self.spec_for(job)
+        return (spec.min_gpus or spec.gpus, spec.max_gpus or spec.gpus)
 
     def slice_demand(self, job: SimJob) -> tuple[float, int]:
         spec = self.spec_for(job)
@@ -218,8 +292,14 @@ class PoolPolicy:
         info = sim.gpus[g]
         health = GpuHealth() if sim.healthy[g] else GpuHealth(healthy=False, reasons=("simulated failure",))
         self._gpus[info.uuid] = replace(info, health=health)
+        self._dirty = True
 
     def _on_change(self, job: SimJob) -> None:
+        self._dirty = True
+        if job.state == RUNNING and job.gpus and len(job.gpus) < self.gpu_bounds(job)[1]:
+            self._growable.add(job.name)
+        else:
+            self._growable.discard(job.name)
         key = self._pkey.pop(job.name, None)
         if key is not None:
             del self._psorted[bisect.bisect_left(self._psorted, key)]
@@ -265,12 +345,16 @@ class PoolPolicy:
         )
         directive = ack = None
         if job.directive_kind is not None:
-            kind = DirectiveKind.PREEMPT if job.directive_kind == "preempt" else DirectiveKind.BALLOON
+            kind = {"preempt": DirectiveKind.PREEMPT, "resize": DirectiveKind.RESIZE}.get(
+                job.directive_kind, DirectiveKind.BALLOON
+            )
             target: dict[str, object] = {}
             if job.directive_for:
                 target["for_job"] = job.directive_for
             if kind is DirectiveKind.BALLOON:
                 target["memory_bytes"] = job.directive_target
+            elif kind is DirectiveKind.RESIZE:
+                target["gpus"] = job.directive_target
             directive = Directive(kind=kind, seq=job.directive_seq, deadline=job.directive_deadline, target=target)
             if job.acked:
                 ack = Ack(seq=job.directive_seq, reached_bytes=job.ack_reached if kind is DirectiveKind.BALLOON else None)
@@ -290,8 +374,11 @@ class PoolPolicy:
     # ------------------------------------------------------------------ the cycle
 
     def schedule(self, sim: Simulator) -> list[Decision]:
-        if not sim.pending and not self._inflight:
-            return []  # nothing waits and no directive is in flight: a cycle would decide nothing
+        if not sim.pending and not self._inflight and not (self._growable and self._dirty):
+            # Nothing waits, no directive is in flight, and no elastic job could grow into capacity
+            # freed since the last cycle: a cycle would decide nothing.
+            return []
+        self._dirty = False
         now = sim.now
         if self.config.las_threshold_gpu_s:
             stale = now - self.sim.config.view_refresh_s
@@ -313,6 +400,11 @@ class PoolPolicy:
                 jobs[name] = self._views[name]
         snapshot = ClusterSnapshot(now=now, gpus=self._gpus, jobs=jobs)
         return self.scheduler.schedule(snapshot)
+
+    def follow_up(self, sim: Simulator) -> bool:
+        """Another cycle at this instant? Only when nothing waits and an elastic job granted below
+        its maximum could grow into what changed (the scheduler grows jobs only when nothing waits)."""
+        return not sim.pending and bool(self._growable) and self._dirty
 
     def next_wakeup(self, sim: Simulator) -> float | None:
         if not self._inflight:

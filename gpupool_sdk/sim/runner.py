@@ -148,6 +148,8 @@ def run_simulation(
         result.wall_s = time.process_time() - t0
         report.results[name] = result
         report.metrics[name] = compute_metrics(result)
+        # Elastic jobs (gpupool with min_gpu=/max_gpu= rows or --elastic): resize directives applied.
+        report.metrics[name]["resizes"] = result.resizes
     return report
 
 
@@ -162,6 +164,7 @@ TABLE_ROWS: tuple[tuple[str, str, str], ...] = (
     ("mem_util", "memory used", "%"),
     ("mem_granted_util", "memory granted", "%"),
     ("preemptions", "preemptions", "n"),
+    ("resizes", "resizes", "n"),
     ("stranded_gpu_fraction", "stranded GPUs", "%"),
     ("finished", "finished jobs", "n"),
     ("unfinished", "unfinished jobs", "n"),

@@ -16,6 +16,16 @@ How a row's run time is found, in this order (``TraceJob.duration_origin`` recor
    :data:`APPLICATION_GPU_HOURS`, divided by the GPUs asked for (``"application"``);
 4. a draw from the Tiresias YARN GPU-time samples with a seeded RNG (``"sampled"``).
 
+``extra`` keys the loader reads (others are kept as text in ``TraceJob.extra``):
+
+* ``application=NAME``: the run time, as above;
+* ``min_gpu=N`` and ``max_gpu=M``: the row is an elastic job that may run on ``N`` to ``M`` GPUs
+  (whole numbers, ``1 <= min_gpu <= num_gpu <= max_gpu``; a missing one defaults to ``num_gpu``).
+  Only the ``gpupool`` policy uses them (the baselines run every job on ``num_gpu`` GPUs); see
+  :mod:`gpupool_sdk.sim.engine` for the speed of a job on another GPU count;
+* ``checkpoint_s=``, ``restart_s=`` (the job's preemption cost) and the memory keys
+  (``gpu_mem_gib=``...) are read by the engine and the workload model.
+
 Rows asking for 0 GPUs (CPU-only pods) are skipped and counted. Rows whose ``status`` is
 ``Running`` were still running when the trace ended: their duration is a lower bound
 (right-censored); they are kept by default (``censored="keep"``) and counted, or dropped.
@@ -119,6 +129,8 @@ class TraceJob:
         censored: True when the row was still running at trace end (duration is a lower bound).
         duration_origin: ``"trace"``, ``"application"`` or ``"sampled"``.
         row: line number in the file (header = 1).
+        min_gpu: fewest GPUs the job may run on (``min_gpu=`` in ``extra``), None when not given.
+        max_gpu: most GPUs the job may use (``max_gpu=`` in ``extra``), None when not given.
     """
 
     index: int
@@ -134,6 +146,13 @@ class TraceJob:
     censored: bool = False
     duration_origin: str = "trace"
     row: int = 0
+    min_gpu: int | None = None
+    max_gpu: int | None = None
+
+    @property
+    def is_elastic(self) -> bool:
+        """True when the row declares GPU bounds other than ``num_gpu`` (``min_gpu=`` / ``max_gpu=``)."""
+        return (self.min_gpu or self.num_gpu) != self.num_gpu or (self.max_gpu or self.num_gpu) != self.num_gpu
 
     @property
     def name(self) -> str:
@@ -253,6 +272,29 @@ class _RowReader:
         return v
 
 
+def _gpu_bounds(r: _RowReader, extra: Mapping[str, str], num_gpu: int) -> tuple[int | None, int | None]:
+    """The row's elastic bounds from ``min_gpu=`` / ``max_gpu=`` in ``extra`` (None where absent)."""
+    out: list[int | None] = []
+    for key in ("min_gpu", "max_gpu"):
+        raw = extra.get(key, "")
+        if not raw:
+            out.append(None)
+            continue
+        try:
+            v = float(raw)
+        except ValueError:
+            raise r.fail("extra", f"{key}={raw!r} is not a whole number of GPUs") from None
+        if not math.isfinite(v) or v != int(v) or v < 1:
+            raise r.fail("extra", f"{key}={raw!r} must be a whole number of GPUs >= 1")
+        out.append(int(v))
+    lo, hi = out
+    if lo is not None and lo > num_gpu:
+        raise r.fail("extra", f"min_gpu={lo} exceeds num_gpu={num_gpu}; need min_gpu <= num_gpu <= max_gpu")
+    if hi is not None and hi < num_gpu:
+        raise r.fail("extra", f"max_gpu={hi} is below num_gpu={num_gpu}; need min_gpu <= num_gpu <= max_gpu")
+    return lo, hi
+
+
 def load_trace(
     path: str | os.PathLike[str],
     *,
@@ -362,6 +404,7 @@ def load_trace(
                 extra = parse_extra(r.text("extra"))
             except ValueError as exc:
                 raise r.fail("extra", f"{exc}; write key=value;key=value") from None
+            min_gpu, max_gpu = _gpu_bounds(r, extra, num_gpu)
             status = r.text("status")
             is_censored = status.lower() in CENSORED_STATUSES
             start = r.number("start_s", required=False)
@@ -404,7 +447,7 @@ def load_trace(
                     dict(
                         job_id=job_id, source=source, duration_s=float(duration), num_gpu=num_gpu,
                         gpu_fraction=float(frac), priority=r.text("priority"), status=status, extra=extra,
-                        censored=is_censored, duration_origin=origin, row=lineno,
+                        censored=is_censored, duration_origin=origin, row=lineno, min_gpu=min_gpu, max_gpu=max_gpu,
                     ),
                 )
             )
