@@ -840,6 +840,9 @@ class Simulator:
         tl = Timeline()
         last_t = 0.0
         active = 0
+        # Arrivals still in the heap: the run is over only when none is left (an idle cluster
+        # between two arrivals is not the end of the trace).
+        arrivals_left = len(self.jobs)
         heap = self._heap
         max_cycles = cfg.max_cycles if cfg.max_cycles is not None else 1000 * len(self.jobs) + 100_000
         while heap:
@@ -859,6 +862,7 @@ class Simulator:
                 if kind == _ARRIVAL:
                     job = self.jobs[idx]
                     active += 1
+                    arrivals_left -= 1
                     job.last = t
                     fewest = self.gpu_bounds(job)[0]
                     if fewest > len(self.gpus):
@@ -908,7 +912,7 @@ class Simulator:
                     if self.wake_at is not None and self.wake_at <= t:
                         self.wake_at = None
                     acted = True
-            if active <= 0 and not self.pending and not self.running:
+            if arrivals_left == 0 and active <= 0 and not self.pending and not self.running:
                 tl.t.append(t)
                 tl.alloc.append(self._s_alloc)
                 tl.used.append(self._s_used)

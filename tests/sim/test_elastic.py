@@ -249,3 +249,13 @@ def test_elastic_flag_reaches_gpupool_only(tmp_path: Path) -> None:
     assert p["gpupool"]["avg_jct_s"] == 200.0
     assert e["gpupool"]["resizes"] == 1
     assert e["gpupool"]["avg_jct_s"] == pytest.approx((100.0 + 277.5) / 2)
+
+
+def test_idle_gap_between_arrivals_does_not_end_the_run(tmp_path: Path) -> None:
+    # Elastic jobs finish sooner and leave the cluster idle before the next arrival; the engine used
+    # to stop there (every arrived job done, nothing pending) and drop the rest of the trace.
+    rows = "a,t,0,,,10,1,1.0,,,gpu_mem_gib=4\nb,t,100,,,10,1,1.0,,,gpu_mem_gib=4\n"
+    times, result = _run(tmp_path, rows, FifoPolicy(), cluster="1xV100-32GB")
+    assert times == {"a": (0.0, 10.0), "b": (100.0, 110.0)}
+    times, _ = _run(tmp_path, rows, _pool(), cluster="1xV100-32GB")
+    assert times == {"a": (0.0, 10.0), "b": (100.0, 110.0)}
