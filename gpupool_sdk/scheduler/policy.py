@@ -152,6 +152,8 @@ class _Cycle:
     victims: VictimIndex | None = None
     balloonable: VictimIndex | None = None
     no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
+    #: :func:`victim_key` (without LAS) of the jobs holding capacity, for reservations.
+    holder_keys: dict[str, tuple[int, int, int, float, int, str]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -345,7 +347,7 @@ class Scheduler:
             targets = balloon_targets(jobs.values(), float("inf"), cyc.config, cyc.busy)
             pool = sorted((jobs[n].spec.priority, n) for n in targets)
             cyc.balloonable = VictimIndex(cyc.ledger, [(n, float(p)) for p, n in pool], targets)
-        if not cyc.balloonable:
+        if not cyc.balloonable or cyc.balloonable.hopeless(req, balloon_bound(prio)):
             return False
         groups = cyc.balloonable.groups(req, balloon_bound(prio), cyc.busy)
         assert cyc.balloonable.targets is not None
@@ -386,8 +388,10 @@ class Scheduler:
                     if st is not None:
                         standing[v.name] = st
             cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, now, config)) for v in pool], None, standing)
+        if not cyc.victims or cyc.victims.hopeless(req, preempt_bound(prio), las):
+            return False
         groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy, las)
-        plan = plan_preemption(cyc.ledger, req, (), groups=groups) if cyc.victims else None
+        plan = plan_preemption(cyc.ledger, req, (), groups=groups)
         if plan is None:
             return False
         mine = f"priority {view.spec.priority}, effective {prio:.1f}"
@@ -466,8 +470,13 @@ class Scheduler:
         jobs is gone (lower priority and least work first, the same order as victims, but nobody is
         preempted: they finish or are preempted later, and meanwhile nobody else lands there)."""
         now = cyc.snapshot.now
-        holders = [v for v in cyc.snapshot.jobs.values() if v.name in cyc.ledger.holdings]
-        holders.sort(key=lambda v: (v.spec.priority >= prio, *victim_key(v, now)))
+        jobs = cyc.snapshot.jobs
+        keys = cyc.holder_keys
+        holders = [jobs[n] for n in cyc.ledger.holdings]
+        for v in holders:
+            if v.name not in keys:
+                keys[v.name] = victim_key(v, now)
+        holders.sort(key=lambda v: (v.spec.priority >= prio, keys[v.name]))
         plan = plan_preemption(cyc.ledger, req, [v.name for v in holders])
         return list(plan.gpus) if plan is not None else None
 

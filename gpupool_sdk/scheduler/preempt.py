@@ -93,7 +93,12 @@ def victim_key(view: JobView, now: float, config: SchedulerConfig | None = None)
     priority (the job that has had the most service gives way first, as in Tiresias).
     """
     queue = las_rank(view, now, config) if config is not None and config.las_threshold_gpu_s else 0
-    return (view.spec.qos_class.rank, view.spec.priority, -queue, work_lost_s(view, now), -view.order, view.name)
+    spec = view.spec
+    return (_RANK[spec.qos], spec.priority, -queue, work_lost_s(view, now), -view.order, view.name)
+
+
+#: :attr:`QoS.rank` by class (looked up for every running job in every cycle).
+_RANK: dict[object, int] = {q: q.rank for q in QoS}
 
 
 def victim_pool(jobs: Iterable[JobView], now: float, config: SchedulerConfig, ledger: Ledger | None = None) -> list[JobView]:
@@ -272,14 +277,47 @@ def _completion_groups(
                 yield gpu, lst
 
 
+class _GpuWalk:
+    """The candidates' changes on one GPU, in walk order, and the load after each of them."""
+
+    __slots__ = ("steps", "names", "base", "loads", "monotone")
+
+    def __init__(self) -> None:
+        #: (walk position, holding, balloon target or None) of every change on this GPU.
+        self.steps: list[tuple[int, Holding, int | None]] = []
+        #: the job name of each step.
+        self.names: list[str] = []
+        #: the ledger's load the step loads were computed from (None: not yet computed).
+        self.base: GpuLoad | None = None
+        self.loads: list[GpuLoad] = []
+        #: every step only frees capacity, so a slice fitting after none of them fits after no prefix.
+        self.monotone = True
+
+    def refresh(self, load: GpuLoad) -> None:
+        """Recompute the step loads from the ledger's ``load`` (the same operations, in the same
+        order, as :func:`_completion_groups` applies to its working copy)."""
+        self.base = load.copy()
+        work = load.copy()
+        out = []
+        for _pos, h, t in self.steps:
+            work.remove(h.qos, h.memory, h.compute, h.peak)
+            if t is not None:
+                work.add(h.qos, t, h.compute, min(t, h.peak))
+            out.append(work.copy())
+        self.loads = out
+
+
 class VictimIndex:
     """Per-cycle cache of the victim (or balloon) search, the costly part of a cycle on a large pool.
 
-    For one slice signature (class, memory, compute, peak, features, model) and one priority
-    bound, the per-GPU prefixes are computed once, over the whole pool, ignoring reservations
-    and anti-affinity; every later search of the cycle with the same signature only re-checks
-    each GPU against the ledger as it is now (reserved for someone else, avoided node, a job
-    already taken, or a new grant there that makes the prefix insufficient: skipped).
+    For one priority bound (and LAS bound), the candidates' changes are walked once per cycle:
+    for every GPU, the load after each prefix of the changes on it (as :func:`_completion_groups`
+    computes them, refreshed for a GPU whose load changed since). For each slice signature
+    (class, memory, compute, peak, features, model) the per-GPU prefixes then follow by checking
+    those loads, ignoring reservations and anti-affinity; every later search of the cycle with
+    the same signature only re-checks each GPU against the ledger as it is now (reserved for
+    someone else, avoided node, a job already taken, or a new grant there that makes the prefix
+    insufficient: skipped).
 
     Args:
         ledger: the cycle's ledger.
@@ -302,6 +340,11 @@ class VictimIndex:
         self.targets = targets
         self.standing = standing or {}
         self._cache: dict[tuple[object, ...], list[tuple[int, list[str]]]] = {}
+        self._walks: dict[tuple[object, ...], dict[int, _GpuWalk]] = {}
+        self._hopeless: dict[tuple[object, ...], list[tuple[int, float, int, int]]] = {}
+        #: how many :meth:`hopeless` answers came from a smaller request that had failed (and in all).
+        self.hopeless_hits = 0
+        self.hopeless_calls = 0
 
     def __bool__(self) -> bool:
         return bool(self.pool)
@@ -322,10 +365,7 @@ class VictimIndex:
         ledger = self.ledger
         targets = self.targets
         if options is None:
-            standing = self.standing
-            names = [n for n, p in self.pool if p <= top_priority or las_allows(standing.get(n), las)]
-            options = list(_completion_groups(ledger, req, names, targets, respect_blocks=False))
-            self._cache[key] = options
+            options = self._cache[key] = self._options(req, self._walk(top_priority, las))
         avoid: set[str] = set()
         if req.anti_affinity is not None:
             avoid = {n for n, c in ledger.groups.get(req.anti_affinity, {}).items() if c > 0}
@@ -347,6 +387,126 @@ class VictimIndex:
                             load.add(h.qos, t, h.compute, min(t, h.peak))
             if fits(load, req, ledger.ratio):
                 yield names
+
+    def hopeless(self, req: SliceRequest, top_priority: float, las: tuple[int, int] | None = None) -> bool:
+        """True when no plan over these candidates can place ``req``, whatever the groups.
+
+        A plan frees at most what all candidates together free, so when fewer than
+        ``req.min_count`` GPUs would take a slice even then (or take one now, outside the
+        candidates' GPUs), the search can be skipped: it would return None. Within a cycle loads
+        and reservations only grow while pending jobs are considered (plans are undone), so the
+        answer also holds for any later request of the same class, constraints and bound that
+        asks at least as much of every resource and at least as many GPUs: failed requests are
+        remembered and such requests answered without a walk. False is always safe; it is
+        answered for requests with anti-affinity (freeing a group member can unblock a node),
+        for jobs that hold reservations, and when a balloon target exceeds a quota (the change
+        would not only free).
+        """
+        ledger = self.ledger
+        if req.anti_affinity is not None or req.job in ledger.blocked_jobs:
+            return False
+        self.hopeless_calls += 1
+        top = float(math.floor(top_priority))
+        key = (req.qos, req.features, req.gpu_model, top, las)
+        front = self._hopeless.get(key)
+        if front is not None:
+            for m, c, p, n in front:
+                if req.memory >= m and req.compute >= c and req.peak >= p and req.min_count >= n:
+                    self.hopeless_hits += 1
+                    return True
+        walk = self._walk(top, las)
+        if not all(w.monotone for w in walk.values()):
+            return False
+        classes = {id(c) for c in ledger.matching_classes(req.features, req.gpu_model)}
+        loads = ledger.loads
+        ratio = ledger.ratio
+        blocked = ledger.blocked
+        need = req.min_count
+        found = 0
+        for gpu, w in walk.items():
+            if id(ledger.class_of(gpu)) not in classes or gpu in blocked:
+                continue
+            load = loads[gpu]
+            if w.base != load:
+                w.refresh(load)
+            if _fits_loose(w.loads[-1], req, ratio):
+                found += 1
+                if found >= need:
+                    return False
+        for gpu in ledger.candidates(req):
+            if gpu not in walk:
+                found += 1
+                if found >= need:
+                    return False
+        entry = (req.memory, req.compute, req.peak, req.min_count)
+        kept = [e for e in front or () if not all(a >= b for a, b in zip(e, entry, strict=True))]
+        self._hopeless[key] = [*kept, entry]
+        return True
+
+    def _walk(self, top_priority: float, las: tuple[int, int] | None) -> dict[int, _GpuWalk]:
+        """The per-GPU changes of the candidates under this bound (step loads computed lazily)."""
+        wkey = (top_priority, las)
+        walk = self._walks.get(wkey)
+        if walk is None:
+            standing = self.standing
+            targets = self.targets
+            ledger = self.ledger
+            walk = self._walks[wkey] = {}
+            pos = 0
+            for n, p in self.pool:
+                if not (p <= top_priority or las_allows(standing.get(n), las)):
+                    continue
+                t = targets[n] if targets is not None else None
+                for h in ledger.holdings.get(n, ()):
+                    if ledger.class_of(h.gpu) is None:
+                        continue
+                    w = walk.get(h.gpu)
+                    if w is None:
+                        w = walk[h.gpu] = _GpuWalk()
+                    w.steps.append((pos, h, t))
+                    w.names.append(n)
+                    if t is not None and t > h.memory:
+                        w.monotone = False
+                    pos += 1
+        return walk
+
+    def _options(self, req: SliceRequest, walk: dict[int, _GpuWalk]) -> list[tuple[int, list[str]]]:
+        """What ``_completion_groups(..., respect_blocks=False)`` yields for ``req`` over the walk."""
+        ledger = self.ledger
+        classes = {id(c) for c in ledger.matching_classes(req.features, req.gpu_model)}
+        loads = ledger.loads
+        ratio = ledger.ratio
+        found: list[tuple[int, int, int]] = []
+        for gpu, w in walk.items():
+            if id(ledger.class_of(gpu)) not in classes:
+                continue
+            load = loads[gpu]
+            if w.base != load:
+                w.refresh(load)
+            after = w.loads
+            if w.monotone and not fits(after[-1], req, ratio):
+                continue
+            for k, work in enumerate(after):
+                if fits(work, req, ratio):
+                    found.append((w.steps[k][0], gpu, k))
+                    break
+        found.sort()
+        out = []
+        for _pos, gpu, k in found:
+            names: list[str] = []
+            for n in walk[gpu].names[: k + 1]:
+                if not names or names[-1] != n:
+                    names.append(n)
+            out.append((gpu, names))
+        return out
+
+
+def _fits_loose(load: GpuLoad, req: SliceRequest, ratio: float) -> bool:
+    """:func:`~gpupool_sdk.scheduler.filter.fits` with a wider compute tolerance: shares freed in
+    another order may differ in the last bits, and an upper bound must not miss a fit."""
+    if req.qos is QoS.GUARANTEED and not load.exclusive:
+        return load.reserved + load.shared_quota + req.memory <= load.phys and load.compute + req.compute <= 1.0 + 1e-6
+    return fits(load, req, ratio)
 
 
 def preempt_bound(priority: float) -> float:
@@ -389,7 +549,7 @@ def balloon_targets(views: Iterable[JobView], priority: float, config: Scheduler
     busy_set = set(busy)
     out: dict[str, int] = {}
     for v in views:
-        if v.spec.qos_class is not QoS.SHARED or v.state is not JobState.GRANTED or v.directive is not None:
+        if v.spec.qos != QoS.SHARED or v.state is not JobState.GRANTED or v.directive is not None:
             continue
         if v.name in busy_set or not v.allocations or v.spec.priority > priority:
             continue
