@@ -1,7 +1,7 @@
 """Options and output helpers shared by every ``gpupool`` command.
 
 Exit codes scripts can rely on: 0 success, 1 operation failed (e.g. a fenced write lost),
-2 bad usage or input, 3 etcd unreachable, 4 not found.
+2 bad usage or input, 3 etcd unreachable (one-shot commands; under ``-w`` it is retried), 4 not found.
 """
 
 from __future__ import annotations
@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
+
+from gpupool_sdk.errors import StoreUnavailableError
 
 ENDPOINTS_ENV = "GPUPOOL_ENDPOINTS"
 DEFAULT_ENDPOINTS = "127.0.0.1:2379"
@@ -23,7 +27,15 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_NOT_FOUND = 4
 
+#: Longest wait between two reads of a watching command while etcd stays unreachable (the wait
+#: starts at the watch interval and doubles; a longer watch interval is kept as it is).
+WATCH_RETRY_MAX_S = 30.0
+
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+# Indirection so tests can interrupt the watch loop without patching the time module for everyone.
+_sleep = time.sleep
 
 
 def resolve_endpoints(endpoints: str | None) -> str:
@@ -73,9 +85,72 @@ def watch_option(f: F) -> F:
         default=None,
         metavar="SECONDS",
         callback=_positive_seconds,
-        help="Refresh every SECONDS until Ctrl-C.",
+        help="Refresh every SECONDS until Ctrl-C (an unreachable etcd is shown and retried).",
     )(f)
 
 
 def echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def unreachable(endpoints: str | None, exc: Exception) -> NoReturn:
+    """Report an unreachable etcd (the message names the endpoints) and exit with code 3.
+
+    ``sys.exit`` rather than ``ctx.exit``: the ``gpupool`` entry point runs click with
+    ``standalone_mode=False``, where ``ctx.exit`` codes would be returned, not used.
+    """
+    click.echo(f"error: etcd unreachable: {_naming_endpoints(endpoints, exc)}", err=True)
+    sys.exit(EXIT_UNREACHABLE)
+
+
+def _naming_endpoints(endpoints: str | None, exc: Exception) -> str:
+    msg = str(exc)
+    where = resolve_endpoints(endpoints)
+    return msg if where in msg else f"{where}: {msg}"
+
+
+def watch_loop(
+    endpoints: str | None,
+    watch_s: float | None,
+    read: Callable[[], T],
+    show: Callable[[T, bool], None],
+) -> None:
+    """``read()`` and ``show(value, watching)`` once, or every ``watch_s`` seconds until Ctrl-C.
+
+    Without ``watch_s`` (a one-shot command) an unreachable etcd exits with code 3. When
+    watching, an unreachable etcd never ends the command: each failed read is reported on
+    stderr and retried, the wait doubling from ``watch_s`` up to
+    ``max(watch_s, WATCH_RETRY_MAX_S)``; the first good read goes back to ``watch_s``.
+
+    Args:
+        endpoints: the ``--endpoints`` option (named in the messages).
+        watch_s: the ``-w/--watch`` option: seconds between reads, or None for one read.
+        read: reads the pool; raises ``StoreUnavailableError`` when etcd cannot be reached.
+        show: prints what ``read`` returned; ``watching`` is True under ``-w``.
+    """
+    try:
+        if watch_s is None:
+            try:
+                value = read()
+            except StoreUnavailableError as exc:
+                unreachable(endpoints, exc)
+            show(value, False)
+            return
+        wait = watch_s
+        while True:
+            try:
+                value = read()
+            except StoreUnavailableError as exc:
+                click.echo(
+                    f"error: etcd unreachable: {_naming_endpoints(endpoints, exc)}; "
+                    f"retrying in {wait:g}s (Ctrl-C to stop)",
+                    err=True,
+                )
+                _sleep(wait)
+                wait = min(2 * wait, max(watch_s, WATCH_RETRY_MAX_S))
+                continue
+            show(value, True)
+            wait = watch_s
+            _sleep(watch_s)
+    except KeyboardInterrupt:
+        return

@@ -16,22 +16,19 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gpupool_sdk.cli.common import echo_json, endpoints_option, output_option, prefix_option, watch_option
+from gpupool_sdk.cli.common import endpoints_option, prefix_option, unreachable
 from gpupool_sdk.cli.top_cmd import (
     load_prices,
     open_store,
     prices_option,
-    report_console,
-    report_errors,
+    report_options,
+    show_report,
     timeout_option,
-    unreachable,
-    watch_loop,
 )
 from gpupool_sdk.errors import ConfigError, StoreUnavailableError
 from gpupool_sdk.telemetry.pricing import catalog_offers
 from gpupool_sdk.telemetry.prometheus import serve_metrics
 from gpupool_sdk.telemetry.report import cost_report
-from gpupool_sdk.telemetry.view import PoolView
 
 
 @click.group("metrics")
@@ -54,9 +51,7 @@ def metrics() -> None:
 )
 @prices_option
 @timeout_option
-@click.pass_context
 def serve(
-    ctx: click.Context,
     endpoints: str | None,
     prefix: str | None,
     port: int,
@@ -77,7 +72,7 @@ def serve(
         try:
             store.revision()  # fail fast (exit 3) when etcd is not there at start
         except StoreUnavailableError as exc:
-            unreachable(ctx, endpoints, exc)
+            unreachable(endpoints, exc)
         try:
             server = serve_metrics(store, port, addr=addr, prices=prices, min_interval_s=min_interval_s)
         except ConfigError as exc:
@@ -133,15 +128,8 @@ def render_report(doc: dict[str, Any], console: Console) -> None:
 
 
 @metrics.command("report")
-@endpoints_option
-@prefix_option
-@output_option
-@watch_option
-@prices_option
-@timeout_option
-@click.pass_context
+@report_options
 def report(
-    ctx: click.Context,
     endpoints: str | None,
     prefix: str | None,
     output: str,
@@ -158,17 +146,6 @@ def report(
     """
     prices = load_prices(prices_path)
     offers = catalog_offers()
-    console = report_console()
-
-    def render(view: PoolView, watching: bool) -> None:
-        doc = cost_report(view, prices, offers)
-        if output == "json":
-            echo_json(doc)
-        else:
-            if watching:
-                console.clear()
-            render_report(doc, console)
-        report_errors(view.errors)
-
-    with open_store(endpoints, prefix, timeout_s) as store:
-        watch_loop(ctx, endpoints, store, watch_s, render)
+    show_report(
+        endpoints, prefix, timeout_s, watch_s, output, lambda view: cost_report(view, prices, offers), render_report
+    )

@@ -1,6 +1,7 @@
 """``gpupool status``: leader, nodes, GPUs, jobs, queue and problems, read from etcd in one get.
 
-Exit codes: 0 shown, 3 etcd unreachable (the message names the endpoint).
+Exit codes: 0 shown, 3 etcd unreachable (the message names the endpoint). Under ``-w`` an
+unreachable etcd is shown and retried until Ctrl-C, as in ``gpupool top -w``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gpupool_sdk.cli.common import (
     output_option,
     prefix_option,
     resolve_endpoints,
+    watch_loop,
     watch_option,
 )
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
@@ -235,27 +237,29 @@ def render(state: PoolState, endpoint: str) -> Group:
 @output_option
 @watch_option
 def status(endpoints: str | None, prefix: str | None, output: str, watch_s: float | None) -> None:
-    """Show the leader, nodes, GPUs, jobs, the queue and any malformed keys."""
-    if watch_s is not None and watch_s <= 0:
-        raise click.BadParameter("must be > 0 seconds", param_hint="-w/--watch")
+    """Show the leader, nodes, GPUs, jobs, the queue and any malformed keys.
+
+    \b
+    Examples:
+        gpupool status              # tables
+        gpupool status -o json      # the same as JSON, for scripts
+        gpupool status -w 2         # refresh every 2 s until Ctrl-C (an unreachable etcd is retried)
+    """
     # Malformed keys are shown in the "problems" section; the snapshot's log line would repeat them.
     logging.getLogger("gpupool_sdk.coordinator.snapshot").setLevel(logging.ERROR)
     store = open_store(endpoints, prefix)
     # Piped output is not wrapped at 80 columns, so keys stay whole for grep and scripts.
     console = Console(width=None if sys.stdout.isatty() else 220)
+
+    def show(state: PoolState, watching: bool) -> None:
+        if output == "json":
+            echo_json(status_dict(state))
+        else:
+            if watching:
+                console.clear()
+            console.print(render(state, store.endpoint))
+
     try:
-        while True:
-            state = read_pool(store)
-            if output == "json":
-                echo_json(status_dict(state))
-            else:
-                if watch_s is not None:
-                    console.clear()
-                console.print(render(state, store.endpoint))
-            if watch_s is None:
-                return
-            time.sleep(watch_s)
-    except KeyboardInterrupt:
-        return
+        watch_loop(endpoints, watch_s, lambda: read_pool(store), show)
     finally:
         store.close()

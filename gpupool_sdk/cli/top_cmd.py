@@ -12,30 +12,27 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from gpupool_sdk.cli.common import (
-    EXIT_UNREACHABLE,
     echo_json,
     endpoints_option,
     output_option,
     prefix_option,
     resolve_endpoints,
+    watch_loop,
     watch_option,
 )
-from gpupool_sdk.errors import ConfigError, StoreUnavailableError
+from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import format_size
 from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.telemetry.pricing import PriceTable
 from gpupool_sdk.telemetry.report import phase_bar, top_report
 from gpupool_sdk.telemetry.view import PoolView, load_view
-
-# Indirection so tests can interrupt the watch loop without patching the time module for everyone.
-_sleep = time.sleep
 
 
 def timeout_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -82,20 +79,6 @@ def open_store(endpoints: str | None, prefix: str | None, timeout_s: float) -> I
         store.close()
 
 
-def unreachable(ctx: click.Context, endpoints: str | None, exc: Exception) -> NoReturn:
-    """Report an unreachable etcd (the message names the endpoints) and exit with code 3.
-
-    ``sys.exit`` rather than ``ctx.exit``: the ``gpupool`` entry point runs click with
-    ``standalone_mode=False``, where ``ctx.exit`` codes would be returned, not used.
-    """
-    msg = str(exc)
-    where = resolve_endpoints(endpoints)
-    if where not in msg:
-        msg = f"{where}: {msg}"
-    click.echo(f"error: etcd unreachable: {msg}", err=True)
-    sys.exit(EXIT_UNREACHABLE)
-
-
 def report_errors(errors: list[str] | tuple[str, ...]) -> None:
     """Print skipped malformed values on stderr (they never stop a report)."""
     if errors:
@@ -104,36 +87,41 @@ def report_errors(errors: list[str] | tuple[str, ...]) -> None:
             click.echo(f"  {e}", err=True)
 
 
-def watch_loop(
-    ctx: click.Context,
-    endpoints: str | None,
-    store: Any,
-    watch_s: float | None,
-    render: Callable[[PoolView, bool], None],
-) -> None:
-    """Read the pool and render it once, or every ``watch_s`` seconds until Ctrl-C.
+def report_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of a reporting command (``top``, ``metrics report``): where the pool is, how to show it."""
+    for option in reversed((endpoints_option, prefix_option, output_option, watch_option, prices_option, timeout_option)):
+        f = option(f)
+    return f
 
-    The first failed read exits with code 3; once watching, a failed read is shown and retried.
+
+def show_report(
+    endpoints: str | None,
+    prefix: str | None,
+    timeout_s: float,
+    watch_s: float | None,
+    output: str,
+    build: Callable[[PoolView], dict[str, Any]],
+    render_table: Callable[[dict[str, Any], Console], None],
+) -> None:
+    """Read the pool, ``build`` the report document and print it (JSON or tables), once or under ``-w``.
+
+    Malformed values are reported on stderr; an unreachable etcd is handled by
+    :func:`~gpupool_sdk.cli.common.watch_loop` (exit 3 once, retried while watching).
     """
-    if watch_s is not None and watch_s <= 0:
-        raise click.BadParameter(f"must be > 0 seconds, got {watch_s}", param_hint="-w/--watch")
-    first = True
-    try:
-        while True:
-            try:
-                view = load_view(store)
-            except StoreUnavailableError as exc:
-                if first:
-                    unreachable(ctx, endpoints, exc)
-                click.echo(f"error: etcd unreachable ({exc}); retrying in {watch_s:g}s", err=True)
-            else:
-                render(view, watch_s is not None)
-            first = False
-            if watch_s is None:
-                return
-            _sleep(watch_s)
-    except KeyboardInterrupt:
-        return
+    console = report_console()
+
+    def show(view: PoolView, watching: bool) -> None:
+        doc = build(view)
+        if output == "json":
+            echo_json(doc)
+        else:
+            if watching:
+                console.clear()
+            render_table(doc, console)
+        report_errors(view.errors)
+
+    with open_store(endpoints, prefix, timeout_s) as store:
+        watch_loop(endpoints, watch_s, lambda: load_view(store), show)
 
 
 def report_console() -> Console:
@@ -202,15 +190,8 @@ def render_top(doc: dict[str, Any], console: Console) -> None:
 
 
 @click.command("top")
-@endpoints_option
-@prefix_option
-@output_option
-@watch_option
-@prices_option
-@timeout_option
-@click.pass_context
+@report_options
 def top(
-    ctx: click.Context,
     endpoints: str | None,
     prefix: str | None,
     output: str,
@@ -223,21 +204,8 @@ def top(
     \b
     Examples:
         gpupool top                 # one table of jobs, one of GPUs
-        gpupool top -w 2            # refresh every 2 s until Ctrl-C
+        gpupool top -w 2            # refresh every 2 s until Ctrl-C (an unreachable etcd is retried)
         gpupool top -o json         # the same as JSON, for scripts
     """
     prices = load_prices(prices_path)
-    console = report_console()
-
-    def render(view: PoolView, watching: bool) -> None:
-        doc = top_report(view, prices)
-        if output == "json":
-            echo_json(doc)
-        else:
-            if watching:
-                console.clear()
-            render_top(doc, console)
-        report_errors(view.errors)
-
-    with open_store(endpoints, prefix, timeout_s) as store:
-        watch_loop(ctx, endpoints, store, watch_s, render)
+    show_report(endpoints, prefix, timeout_s, watch_s, output, lambda view: top_report(view, prices), render_top)

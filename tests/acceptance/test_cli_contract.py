@@ -8,17 +8,21 @@ no command answers bad input with a Python traceback.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from acceptance.cli import DEAD_ENDPOINT, explain, gpupool, gpupool_many
+from acceptance.cli import DEAD_ENDPOINT, ROOT, _env, explain, gpupool, gpupool_many
 from gpupool_sdk.cli.common import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from gpupool_sdk.inventory.catalog import known_names
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
 from gpupool_sdk.resources import NodeInfo
 from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store.launcher import EtcdServer
 
 Etcdctl = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -61,6 +65,52 @@ def test_every_command_with_etcd_unreachable_exits_3_naming_the_endpoint_and_the
     _check_table(rows, workers=8)  # mostly waiting on refused connections
     from_env = gpupool("top", "--timeout", "0.5", env={"GPUPOOL_ENDPOINTS": DEAD_ENDPOINT})
     assert from_env.returncode == EXIT_UNREACHABLE and DEAD_ENDPOINT in from_env.stderr, explain(from_env)
+
+
+def test_watching_commands_ride_out_an_etcd_outage_until_ctrl_c(tmp_path: Path) -> None:
+    """``status -w`` and ``top -w`` show that etcd is gone, retry with a growing wait, and carry on when it is back."""
+    server = EtcdServer(data_dir=tmp_path / "etcd", name="outage").start(timeout=60)
+    watchers: dict[str, tuple[subprocess.Popen[str], Path, Path]] = {}
+    try:
+        for name, args in (("status", ["status", "-o", "json"]), ("top", ["top", "-o", "json", "--timeout", "0.5"])):
+            out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+            with out.open("w") as o, err.open("w") as e:
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "gpupool_sdk.cli.main", *args, "-w", "0.2", "--endpoints", server.endpoint],
+                    stdout=o, stderr=e, text=True, cwd=ROOT, env=_env(None),
+                )
+            watchers[name] = (p, out, err)
+
+        def docs(name: str) -> int:
+            return watchers[name][1].read_text().count('"revision"')
+
+        def wait(cond: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + 60
+            while not cond():
+                for name, (p, _, err) in watchers.items():
+                    assert p.poll() is None, f"{name} -w exited ({p.returncode}) {what}:\n{err.read_text()[-2000:]}"
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                time.sleep(0.1)
+
+        wait(lambda: all(docs(n) >= 1 for n in watchers), "a first refresh")
+        server.kill()
+        # Two failed reads in a row, the second after a longer wait: retried with backoff, not exit 3.
+        wait(lambda: all("retrying in 0.4s" in err.read_text() for _, _, err in watchers.values()), "retries")
+        for name, (_, _, err) in watchers.items():
+            text = err.read_text()
+            assert "etcd unreachable" in text and server.endpoint in text and "retrying in 0.2s" in text, (name, text)
+        seen = {n: docs(n) for n in watchers}
+        server.start(timeout=60)
+        wait(lambda: all(docs(n) > seen[n] for n in watchers), "a refresh after etcd came back")
+        for name, (p, _, err) in watchers.items():
+            p.send_signal(signal.SIGINT)
+            assert p.wait(30) == EXIT_OK, f"{name}: {err.read_text()[-2000:]}"
+    finally:
+        for p, _, _ in watchers.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        server.stop()
 
 
 # ---------------------------------------------------------------- bad usage or input: exit 2

@@ -148,7 +148,7 @@ def test_metrics_serve_process(store: Any, etcd_endpoint: str, keyspace: Keyspac
 def test_watch_renders_until_interrupted(
     store: Any, etcd_endpoint: str, keyspace: Keyspace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gpupool_sdk.cli.top_cmd as top_cmd
+    import gpupool_sdk.cli.common as common
 
     populate(store)
     sleeps: list[float] = []
@@ -158,8 +158,36 @@ def test_watch_renders_until_interrupted(
         if len(sleeps) == 2:
             raise KeyboardInterrupt  # Ctrl-C during the second wait
 
-    monkeypatch.setattr(top_cmd, "_sleep", fake_sleep)
+    monkeypatch.setattr(common, "_sleep", fake_sleep)
     res = _run(["top", "-o", "json", "-w", "2"], etcd_endpoint, keyspace)
     assert res.exit_code == 0, res.output
     assert sleeps == [2.0, 2.0]
     assert res.stdout.count('"revision"') == 2  # two refreshes, each a full document
+
+
+def test_watch_loop_backs_off_while_etcd_is_unreachable_and_resets_after_a_good_read(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gpupool_sdk.cli.common as common
+    from gpupool_sdk.errors import StoreUnavailableError
+
+    reads = iter([StoreUnavailableError("etcd at 127.0.0.1:1 unreachable")] * 6 + [1, StoreUnavailableError("down"), 2])
+    sleeps: list[float] = []
+    shown: list[tuple[int, bool]] = []
+
+    def read() -> int:
+        item = next(reads)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def fake_sleep(s: float) -> None:
+        sleeps.append(s)
+        if len(sleeps) == 9:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "_sleep", fake_sleep)
+    common.watch_loop("127.0.0.1:1", 5.0, read, lambda v, watching: shown.append((v, watching)))
+    assert sleeps == [5.0, 10.0, 20.0, 30.0, 30.0, 30.0, 5.0, 5.0, 5.0]
+    assert shown == [(1, True), (2, True)]
+    assert "retrying in 20s" in capsys.readouterr().err
