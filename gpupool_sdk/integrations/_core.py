@@ -771,6 +771,73 @@ class PoolRuntime:
         self.lease_generation = int(state.get("lease_generation", 0)) + max(1, self.lease_generation)
 
 
+class PoolAdapter:
+    """What both framework adapters expose of their :class:`PoolRuntime` (``self.runtime``).
+
+    :class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback` and
+    :class:`~gpupool_sdk.integrations.torch_loop.PoolSession` derive from it; each builds the
+    runtime in its own constructor and adds what its framework needs.
+    """
+
+    runtime: PoolRuntime
+    #: Leaving the ``with`` block after a preemption raises ``SystemExit(75)``.
+    exit_on_preempt = True
+
+    @property
+    def job(self) -> str:
+        """The job name."""
+        return self.runtime.job
+
+    @property
+    def devices(self) -> int:
+        """Devices for the framework: one per leased slice (CPU processes on a machine without GPUs)."""
+        return self.runtime.devices
+
+    @property
+    def resume_from(self) -> str | None:
+        """The job's last acknowledged checkpoint (Lightning: pass it as ``ckpt_path``), or None."""
+        return self.runtime.resume_from
+
+    @property
+    def preempted(self) -> bool:
+        """True once this process checkpointed and gave its slices back."""
+        return self.runtime.preempted
+
+    def report_memory_peak(self, peak_bytes: int) -> None:
+        """Report the job's per-slice memory peak (bytes) for the next published summary.
+
+        The largest value reported since the previous publish replaces the measured
+        ``memory_peak_bytes`` (the pool predicts the job's peak from it, for overcommit and
+        ballooning). Cheap (one comparison, no I/O): it may be called every step.
+
+        Example:
+            >>> # pool.report_memory_peak(torch.cuda.max_memory_allocated())
+
+        Raises:
+            ConfigError: ``peak_bytes`` is not a whole number of bytes >= 0.
+        """
+        self.runtime.report_memory_peak(peak_bytes)
+
+    def exit_if_preempted(self) -> None:
+        """Exit with code 75 (``EX_TEMPFAIL``: "run me again") if preempted, releasing the lease first."""
+        if self.runtime.preempted:
+            self.runtime.close()
+            sys.exit(EX_TEMPFAIL)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.runtime.close()
+        if exc_type is None and self.runtime.preempted and self.exit_on_preempt:
+            raise SystemExit(EX_TEMPFAIL)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Phase totals, preemption count and lease generation, to store in the checkpoint."""
+        return self.runtime.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (from the checkpoint being resumed)."""
+        self.runtime.load_state_dict(state_dict)
+
+
 def _visible_devices(lease: Any) -> list[str]:
     vd = getattr(lease, "visible_devices", None)
     if vd is None:

@@ -24,11 +24,17 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpupool_sdk.integrations._core import _CARRY_ON, EX_TEMPFAIL, Decision, PoolLeaseLostError, PoolRuntime
+from gpupool_sdk.integrations._core import (
+    _CARRY_ON,
+    EX_TEMPFAIL,
+    Decision,
+    PoolAdapter,
+    PoolLeaseLostError,
+    PoolRuntime,
+)
 from gpupool_sdk.integrations.data import ResumableDataLoader
 from gpupool_sdk.telemetry.phases import PHASE_INDEX, Phase
 
@@ -72,7 +78,7 @@ def _loaders(obj: Any) -> list[Any]:
     return [obj]
 
 
-class GpuPoolCallback(*_bases):  # type: ignore[misc]
+class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
     """Leases GPU slices from the pool for a Lightning Trainer and obeys the pool's directives.
 
     The constructor takes the lease *before* the Trainer touches CUDA: it submits the job spec,
@@ -170,29 +176,9 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
 
     # -- what the Trainer needs ------------------------------------------------------------
     @property
-    def job(self) -> str:
-        """The job name."""
-        return self.runtime.job
-
-    @property
     def accelerator(self) -> str:
         """``"gpu"`` when the leased GPUs are visible to CUDA, else ``"cpu"``."""
         return self.runtime.accelerator
-
-    @property
-    def devices(self) -> int:
-        """Devices for the Trainer: one per leased slice (CPU processes on a machine without GPUs)."""
-        return self.runtime.devices
-
-    @property
-    def resume_from(self) -> str | None:
-        """The job's last acknowledged checkpoint (pass as ``ckpt_path``), or None."""
-        return self.runtime.resume_from
-
-    @property
-    def preempted(self) -> bool:
-        """True once this process checkpointed and gave its slices back."""
-        return self.runtime.preempted
 
     @property
     def preemptions(self) -> int:
@@ -219,30 +205,13 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
         """Path of the last checkpoint this callback wrote (preemption or emergency)."""
         return self._last_checkpoint
 
-    def report_memory_peak(self, peak_bytes: int) -> None:
-        """Report the job's per-slice memory peak (bytes) for the next published summary.
-
-        The largest value reported since the previous publish replaces the measured
-        ``memory_peak_bytes`` (the pool predicts the job's peak from it, for overcommit and
-        ballooning). Cheap (one comparison, no I/O): it may be called every step.
-
-        Example:
-            >>> # pool.report_memory_peak(torch.cuda.max_memory_allocated())
-
-        Raises:
-            ConfigError: ``peak_bytes`` is not a whole number of bytes >= 0.
-        """
-        self.runtime.report_memory_peak(peak_bytes)
-
     def exit_if_preempted(self) -> None:
         """Call after ``trainer.fit``: exit with code 75 if preempted, else release the lease.
 
         Example:
             >>> # trainer.fit(model, ckpt_path=pool.resume_from); pool.exit_if_preempted()
         """
-        if self.runtime.preempted:
-            self.runtime.close()
-            sys.exit(EX_TEMPFAIL)
+        super().exit_if_preempted()
         self.runtime.close()
 
     def close(self) -> None:
@@ -251,11 +220,6 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
 
     def __enter__(self) -> GpuPoolCallback:
         return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.runtime.close()
-        if exc_type is None and self.runtime.preempted:
-            raise SystemExit(EX_TEMPFAIL)
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -366,10 +330,3 @@ class GpuPoolCallback(*_bases):  # type: ignore[misc]
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if isinstance(exception, PoolLeaseLostError):
             log.error("gpupool: %s", exception)
-
-    # -- state that survives a resume -----------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return self.runtime.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.runtime.load_state_dict(state_dict)

@@ -41,11 +41,10 @@ is initialised.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpupool_sdk.integrations._core import EX_TEMPFAIL, Decision, PoolLeaseLostError, PoolRuntime
+from gpupool_sdk.integrations._core import EX_TEMPFAIL, Decision, PoolAdapter, PoolLeaseLostError, PoolRuntime
 from gpupool_sdk.telemetry.phases import Phase
 
 __all__ = ["EX_TEMPFAIL", "PoolLeaseLostError", "PoolSession"]
@@ -64,7 +63,7 @@ def _default_broadcast(obj: Any) -> Any:
     return obj
 
 
-class PoolSession:
+class PoolSession(PoolAdapter):
     """Context manager that holds a lease for a plain PyTorch loop and applies directives.
 
     Args:
@@ -129,32 +128,11 @@ class PoolSession:
         self.runtime.start_training()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.runtime.close()
-        if exc_type is None and self.runtime.preempted and self.exit_on_preempt:
-            raise SystemExit(EX_TEMPFAIL)
-
     # -- grant ---------------------------------------------------------------------------------
-    @property
-    def job(self) -> str:
-        return self.runtime.job
-
     @property
     def device(self) -> str:
         """``"cuda"`` when the leased GPUs are visible to CUDA, else ``"cpu"``."""
         return "cuda" if self.runtime.accelerator == "gpu" else "cpu"
-
-    @property
-    def devices(self) -> int:
-        return self.runtime.devices
-
-    @property
-    def resume_from(self) -> str | None:
-        return self.runtime.resume_from
-
-    @property
-    def preempted(self) -> bool:
-        return self.runtime.preempted
 
     @property
     def timer(self) -> Any:
@@ -163,10 +141,6 @@ class PoolSession:
     def add_optimizer(self, optimizer: Any) -> None:
         """Let balloon directives offload this optimizer's state (counted in the published memory peak)."""
         self.runtime.start_training([optimizer])
-
-    def report_memory_peak(self, peak_bytes: int) -> None:
-        """Report the job's per-slice memory peak (bytes) for the next summary (wins over the measured one)."""
-        self.runtime.report_memory_peak(peak_bytes)
 
     # -- step hooks ---------------------------------------------------------------------------
     def step_begin(self) -> None:
@@ -209,16 +183,3 @@ class PoolSession:
             rt.balloon(dec, step)
         rt.maybe_publish(step)
         return False
-
-    def exit_if_preempted(self) -> None:
-        """Exit with code 75 if preempted (for loops not using the ``with`` block's exit)."""
-        if self.runtime.preempted:
-            self.runtime.close()
-            sys.exit(EX_TEMPFAIL)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Phase totals, preemption count and lease generation, to store in your checkpoint."""
-        return self.runtime.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.runtime.load_state_dict(state)
