@@ -365,7 +365,7 @@ class VictimIndex:
         ledger = self.ledger
         targets = self.targets
         if options is None:
-            options = self._cache[key] = self._options(req, self._walk(top_priority, las))
+            options = self._cache[key] = self._options(req, top_priority, las)
         avoid: set[str] = set()
         if req.anti_affinity is not None:
             avoid = {n for n, c in ledger.groups.get(req.anti_affinity, {}).items() if c > 0}
@@ -448,14 +448,11 @@ class VictimIndex:
         wkey = (top_priority, las)
         walk = self._walks.get(wkey)
         if walk is None:
-            standing = self.standing
             targets = self.targets
             ledger = self.ledger
             walk = self._walks[wkey] = {}
             pos = 0
-            for n, p in self.pool:
-                if not (p <= top_priority or las_allows(standing.get(n), las)):
-                    continue
+            for n in self.candidates_under(top_priority, las):
                 t = targets[n] if targets is not None else None
                 for h in ledger.holdings.get(n, ()):
                     if ledger.class_of(h.gpu) is None:
@@ -470,8 +467,15 @@ class VictimIndex:
                     pos += 1
         return walk
 
-    def _options(self, req: SliceRequest, walk: dict[int, _GpuWalk]) -> list[tuple[int, list[str]]]:
-        """What ``_completion_groups(..., respect_blocks=False)`` yields for ``req`` over the walk."""
+    def candidates_under(self, top_priority: float, las: tuple[int, int] | None) -> list[str]:
+        """The candidates of priority <= ``top_priority`` or LAS victims under ``las``, in pool order."""
+        standing = self.standing
+        return [n for n, p in self.pool if p <= top_priority or las_allows(standing.get(n), las)]
+
+    def _options(self, req: SliceRequest, top_priority: float, las: tuple[int, int] | None) -> list[tuple[int, list[str]]]:
+        """What ``_completion_groups(ledger, req, candidates_under(...), targets, respect_blocks=False)``
+        yields, from the per-GPU walk instead of a walk over every candidate."""
+        walk = self._walk(top_priority, las)
         ledger = self.ledger
         classes = {id(c) for c in ledger.matching_classes(req.features, req.gpu_model)}
         loads = ledger.loads

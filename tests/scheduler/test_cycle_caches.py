@@ -1,0 +1,188 @@
+"""Property: the cycle's speed-ups decide exactly what the plain searches decide.
+
+Three of them are exact by design and checked here on several hundred randomized congested
+snapshots (fixed seeds):
+
+* :class:`~gpupool_sdk.scheduler.preempt.VictimIndex` computes the per-GPU victim / balloon
+  prefixes from a per-GPU walk instead of :func:`~gpupool_sdk.scheduler.preempt._completion_groups`;
+* :meth:`~gpupool_sdk.scheduler.preempt.VictimIndex.hopeless` skips searches that cannot succeed,
+  remembering failed requests for larger ones later in the cycle;
+* a :class:`~gpupool_sdk.scheduler.Scheduler` reuses the GPU layout and unchanged jobs' holdings
+  from its previous cycle.
+
+The reference runs a fresh scheduler per snapshot with the first two replaced by the plain walk.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from sched_helpers import gpus
+
+from gpupool_sdk.resources import Allocation, Directive, DirectiveKind, GiB, GpuHealth, JobSpec, JobState
+from gpupool_sdk.scheduler import (
+    Balloon,
+    ClusterSnapshot,
+    Decision,
+    Grant,
+    JobView,
+    Preempt,
+    Scheduler,
+    SchedulerConfig,
+)
+from gpupool_sdk.scheduler import preempt as preempt_mod
+from gpupool_sdk.scheduler.preempt import VictimIndex, _completion_groups
+
+POOLS = [
+    "a:4xH100-80GB:nvlink,b:4xH100-80GB:nvlink",
+    "a:4xA100-40GB:nvlink=2x2,b:4xA100-40GB:pcie,c:2xH100-80GB:nvlink",
+    "a:8xV100-32GB:nvlink,b:8xV100-32GB:nvlink,c:8xV100-32GB:nvlink",
+]
+SEEDS = 300
+NOW = 100_000.0
+
+
+def _spec(rng: random.Random, i: int, prio: int) -> JobSpec:
+    qos = rng.choice(["shared", "shared", "shared", "guaranteed", "guaranteed", "exclusive"])
+    count = rng.choice([1, 1, 1, 1, 2, 3])
+    return JobSpec(
+        name=f"j{i}",
+        gpus=count,
+        memory=0 if qos == "exclusive" else rng.randint(2, 40) * GiB,
+        compute_share=1.0 if qos == "exclusive" else rng.choice([0.1, 0.25, 0.5, 1.0]),
+        qos=qos,
+        priority=prio,
+        topology=rng.choice(["pack", "pack", "spread", "any"]),
+        anti_affinity=rng.choice([None, None, None, None, "g"]),
+        gpu_model=rng.choice([None, None, None, "H100-80GB"]),
+        min_gpus=1 if count > 1 and rng.random() < 0.3 else None,
+        min_runtime_s=rng.choice([0.0, 0.0, 600.0]),
+    )
+
+
+def _view(rng: random.Random, i: int, prio: int) -> JobView:
+    spec = _spec(rng, i, prio)
+    peak = None
+    if spec.qos != "exclusive" and rng.random() < 0.7:
+        peak = int(spec.memory_bytes * rng.uniform(0.2, 1.0))
+    return JobView(
+        spec=spec,
+        queued_at=NOW - rng.uniform(0, 5000),
+        order=i,
+        memory_peak_bytes=peak,
+        attained_gpu_s=rng.choice([0.0, 50.0, 500.0, 5000.0]),
+    )
+
+
+def _config(rng: random.Random) -> SchedulerConfig:
+    las = rng.random() < 0.3
+    return SchedulerConfig(
+        overcommit_ratio=rng.choice([1.0, 1.5, 1.5]),
+        aging_s_per_priority=rng.choice([0.0, 0.0, 600.0]),
+        max_wait_s=rng.choice([0.0, 3600.0]),
+        min_runtime_s=rng.choice([0.0, 300.0]),
+        las_threshold_gpu_s=(100.0, 1000.0) if las else (),
+        reserve_after_s=rng.choice([0.0, 600.0, 600.0]),
+        max_preemption_attempts=rng.choice([32, 32, 3]),
+        max_decisions=rng.choice([256, 256, 5]),
+    )
+
+
+def congested(seed: int) -> tuple[ClusterSnapshot, SchedulerConfig]:
+    """A busy pool: low-priority jobs granted by the scheduler itself, then a queue of mixed jobs."""
+    rng = random.Random(seed)
+    pool = gpus(rng.choice(POOLS))
+    cfg = _config(rng)
+    jobs: dict[str, JobView] = {}
+    i = 0
+    for _round in range(2):
+        for _ in range(rng.randint(8, 20)):
+            jobs[f"j{i}"] = _view(rng, i, rng.choice([0, 0, 1, 2]))
+            i += 1
+        grants = Scheduler(cfg).schedule(ClusterSnapshot(now=NOW - 4000, gpus=pool, jobs=jobs))
+        for d in grants:
+            if isinstance(d, Grant):
+                v = jobs[d.job]
+                allocs = tuple(
+                    Allocation(d.job, s.node, s.gpu_uuid, s.gpu_index, s.memory_bytes, s.compute_share, v.spec.qos_class)
+                    for s in d.slices
+                )
+                jobs[d.job] = replace(
+                    v, state=JobState.GRANTED, allocations=allocs, granted_at=NOW - rng.uniform(0, 3000)
+                )
+        jobs = {n: v for n, v in jobs.items() if v.allocations}
+    # A few directives in flight: a preemption for somebody, a balloon under way.
+    for v in list(jobs.values()):
+        if rng.random() < 0.08:
+            kind = rng.choice([DirectiveKind.PREEMPT, DirectiveKind.BALLOON])
+            target: dict[str, Any] = {"for_job": rng.choice(["", f"j{i + 1}"])}
+            if kind is DirectiveKind.BALLOON:
+                target["memory_bytes"] = max(1, v.spec.memory_bytes // 2)
+            state = JobState.PREEMPTING if kind is DirectiveKind.PREEMPT else JobState.GRANTED
+            jobs[v.name] = replace(v, state=state, directive=Directive(kind, 1, NOW + 50, target))
+    for _ in range(rng.randint(10, 40)):
+        jobs[f"j{i}"] = _view(rng, i, rng.choice([0, 1, 2, 3, 4, 5]))
+        i += 1
+    cordoned: frozenset[str] = frozenset()
+    if rng.random() < 0.15:
+        cordoned = frozenset([rng.choice(sorted(pool))])
+    if rng.random() < 0.1:
+        bad = rng.choice(sorted(pool))
+        pool = {**pool, bad: replace(pool[bad], health=GpuHealth(healthy=False, reasons=("xid 79",)))}
+    return ClusterSnapshot(now=NOW, gpus=pool, jobs=jobs, cordoned=cordoned), cfg
+
+
+def _next(snap: ClusterSnapshot, rng: random.Random) -> ClusterSnapshot:
+    """The same pool a little later: most views the same objects, a few granted jobs gone."""
+    jobs = dict(snap.jobs)
+    for name in rng.sample(sorted(jobs), k=min(3, len(jobs))):
+        if jobs[name].allocations:
+            del jobs[name]
+    return replace(snap, now=snap.now + 30.0, jobs=jobs)
+
+
+def _plain_options(
+    self: VictimIndex, req: Any, top_priority: float, las: tuple[int, int] | None
+) -> list[tuple[int, list[str]]]:
+    names = self.candidates_under(top_priority, las)
+    return list(_completion_groups(self.ledger, req, names, self.targets, respect_blocks=False))
+
+
+def _reference(snap: ClusterSnapshot, cfg: SchedulerConfig) -> list[Decision]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VictimIndex, "hopeless", lambda self, req, top, las=None: False)
+        mp.setattr(VictimIndex, "_options", _plain_options)
+        return Scheduler(cfg).schedule(snap)
+
+
+def test_cycle_caches_decide_like_the_plain_searches(monkeypatch: pytest.MonkeyPatch) -> None:
+    shortcut = {"calls": 0, "true": 0, "hits": 0}
+    real = preempt_mod.VictimIndex.hopeless
+
+    def counting(self: VictimIndex, req: Any, top: float, las: tuple[int, int] | None = None) -> bool:
+        before = self.hopeless_hits
+        out = real(self, req, top, las)
+        shortcut["calls"] += 1
+        shortcut["true"] += out
+        shortcut["hits"] += self.hopeless_hits - before
+        return out
+
+    monkeypatch.setattr(VictimIndex, "hopeless", counting)
+    kinds: dict[str, int] = {}
+    for seed in range(SEEDS):
+        first, cfg = congested(seed)
+        second = _next(first, random.Random(seed))
+        fast = Scheduler(cfg)  # one scheduler for both cycles: its memo carries over
+        for snap in (first, second):
+            want = _reference(snap, cfg)
+            got = fast.schedule(snap)
+            assert got == want, f"seed {seed}, now {snap.now}"
+            for d in got:
+                kinds[type(d).__name__] = kinds.get(type(d).__name__, 0) + 1
+    # The snapshots must exercise what the caches speed up, or this test proves nothing.
+    assert kinds.get(Preempt.__name__, 0) > 20 and kinds.get(Balloon.__name__, 0) > 5, kinds
+    assert shortcut["true"] > 100 and shortcut["hits"] > 20, shortcut
+    assert shortcut["true"] < shortcut["calls"], shortcut
