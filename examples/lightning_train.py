@@ -11,36 +11,20 @@ Deterministic for a fixed ``--seed`` (the tests compare an interrupted run with 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 
 import pytorch_lightning as pl
 import torch
 
-from gpupool_sdk.demo.job import TinyRegressor  # a two-layer MLP on synthetic data
+# The model and data, the command line and the result lines are shared with `gpupool demo`'s job.
+from gpupool_sdk.demo.job import TinyRegressor, job_arguments, report_result
 from gpupool_sdk.integrations.lightning import GpuPoolCallback
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--name", default=None, help="job name (default: $GPUPOOL_JOB or the script name)")
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--memory", default="1GiB")
-    p.add_argument("--qos", default="shared")
-    p.add_argument("--priority", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--samples", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--num-workers", type=int, default=0)
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend work per step")
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--checkpoint-dir", default=os.environ.get("GPUPOOL_CHECKPOINT_DIR", "gpupool-checkpoints"))
-    p.add_argument("--strategy", default="auto", help="Lightning strategy (e.g. ddp for one process per slice)")
-    p.add_argument("--out", default=None, help="write final weights and step count here (torch.save)")
-    args = p.parse_args(argv)
+    args = job_arguments(__doc__).parse_args(argv)
 
+    # Takes the lease before the Trainer touches CUDA: waits in the queue, then sets CUDA_VISIBLE_DEVICES.
     pool = GpuPoolCallback(
         gpus=args.gpus,
         memory=args.memory,
@@ -65,24 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         enable_model_summary=False,
         default_root_dir=args.checkpoint_dir,
     )
-    trainer.fit(model, ckpt_path=pool.resume_from)
-    if pool.preempted:
-        print(f"GPUPOOL_PREEMPTED rank={trainer.global_rank} step={trainer.global_step}", flush=True)
-    if trainer.is_global_zero:
-        result = {
-            "job": pool.job,
-            "global_step": trainer.global_step,
-            "preempted": pool.preempted,
-            "preemptions": pool.preemptions,
-            "lease_generation": pool.lease_generation,
-            "resumed_from": pool.resume_from,
-            "checkpoint": pool.last_checkpoint,
-            "phases": pool.phase_timer.lifetime(),
-        }
-        print("GPUPOOL_RESULT " + json.dumps(result), flush=True)
-        if args.out and not pool.preempted:
-            torch.save({"state_dict": model.state_dict(), "global_step": trainer.global_step}, args.out)
-    pool.exit_if_preempted()
+    trainer.fit(model, ckpt_path=pool.resume_from)  # None on a first run; the last preemption checkpoint after
+    report_result(pool, trainer, model, args.out)  # GPUPOOL_RESULT line for the tests; weights to --out
+    pool.exit_if_preempted()  # exit code 75 when preempted: `gpupool run` runs the script again
     return 0
 
 

@@ -1,12 +1,14 @@
 """The demo's training job (``python -m gpupool_sdk.demo.job``): a small Lightning job on the pool.
 
-Same as ``examples/lightning_train.py``, shipped inside the package so ``gpupool demo`` works
-from an installed wheel.
+``examples/lightning_train.py`` with ``--cpu`` and ``--progress``, shipped inside the package so
+``gpupool demo`` works from an installed wheel. Both scripts use the pieces defined here:
+:class:`TinyRegressor` (the model and its synthetic data), :func:`job_arguments` (their command
+line) and :func:`report_result` (the lines that ``gpupool demo`` and the tests read).
 
 Run it against a pool (``gpupool demo`` starts one; or etcd + coordinator + agent)::
 
-    python examples/lightning_train.py --name tiny --memory 1GiB --epochs 3
-    gpupool run --memory 1GiB -- python examples/lightning_train.py --epochs 3   # re-runs after preemption
+    python -m gpupool_sdk.demo.job --name tiny --memory 1GiB --epochs 3
+    gpupool run --memory 1GiB -- python -m gpupool_sdk.demo.job --epochs 3   # re-runs after preemption
 
 Exit codes: 0 finished, 75 preempted (checkpointed; run it again to resume), other: failed.
 Deterministic for a fixed ``--seed`` (the tests compare an interrupted run with an uninterrupted one).
@@ -25,11 +27,22 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import TensorDataset
 
+from gpupool_sdk.integrations._core import CKPT_DIR_ENV
 from gpupool_sdk.integrations.lightning import GpuPoolCallback, ResumableDataLoader
 
 
 class TinyRegressor(pl.LightningModule):
-    """A two-layer MLP on synthetic data; ``step_sleep`` stands in for real GPU work."""
+    """A two-layer MLP on synthetic data; ``step_sleep`` stands in for real GPU work.
+
+    The data (``samples`` rows of 16 features, a noisy linear target) is drawn from ``seed``, and
+    the loader is a :class:`~gpupool_sdk.integrations.lightning.ResumableDataLoader`, so a run
+    resumed from a preemption checkpoint sees the same batches as an uninterrupted one.
+
+    Example:
+        >>> model = TinyRegressor(seed=7, samples=64, batch_size=8, num_workers=0, step_sleep=0.0)
+        >>> len(model.train_dataloader())
+        8
+    """
 
     def __init__(self, seed: int, samples: int, batch_size: int, num_workers: int, step_sleep: float) -> None:
         super().__init__()
@@ -66,8 +79,14 @@ class _Progress(pl.Callback):
             print("GPUPOOL_PROGRESS " + json.dumps({"event": "train_start", "step": trainer.global_step}), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def job_arguments(description: str | None = None) -> argparse.ArgumentParser:
+    """The command line of the example jobs: the slice to ask for, the training run, where results go.
+
+    Example:
+        >>> job_arguments().parse_args(["--memory", "2GiB"]).memory
+        '2GiB'
+    """
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", default=None, help="job name (default: $GPUPOOL_JOB or the script name)")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--memory", default="1GiB")
@@ -79,11 +98,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend work per step")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--checkpoint-dir", default=os.environ.get("GPUPOOL_CHECKPOINT_DIR", "gpupool-checkpoints"))
+    p.add_argument("--checkpoint-dir", default=os.environ.get(CKPT_DIR_ENV, "gpupool-checkpoints"))
     p.add_argument("--strategy", default="auto", help="Lightning strategy (e.g. ddp for one process per slice)")
+    p.add_argument("--out", default=None, help="write final weights and step count here (torch.save)")
+    return p
+
+
+def report_result(pool: GpuPoolCallback, trainer: pl.Trainer, model: pl.LightningModule, out: str | None) -> None:
+    """Print how the run ended, for ``gpupool demo`` and the tests; save the final weights to ``out``.
+
+    Every preempted rank prints ``GPUPOOL_PREEMPTED rank=R step=S``; rank 0 prints
+    ``GPUPOOL_RESULT {json}`` (job, steps, preemptions, lease generation, checkpoints, phase
+    totals) and, when the run finished, writes ``{"state_dict", "global_step"}`` to ``out``.
+    """
+    if pool.preempted:
+        print(f"GPUPOOL_PREEMPTED rank={trainer.global_rank} step={trainer.global_step}", flush=True)
+    if not trainer.is_global_zero:
+        return
+    result = {
+        "job": pool.job,
+        "global_step": trainer.global_step,
+        "preempted": pool.preempted,
+        "preemptions": pool.preemptions,
+        "lease_generation": pool.lease_generation,
+        "resumed_from": pool.resume_from,
+        "checkpoint": pool.last_checkpoint,
+        "phases": pool.phase_timer.lifetime(),
+    }
+    print("GPUPOOL_RESULT " + json.dumps(result), flush=True)
+    if out and not pool.preempted:
+        torch.save({"state_dict": model.state_dict(), "global_step": trainer.global_step}, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = job_arguments(__doc__)
     p.add_argument("--cpu", action="store_true", help="train on the CPU even when the leased GPUs are real")
     p.add_argument("--progress", action="store_true", help="print GPUPOOL_PROGRESS lines (for gpupool demo)")
-    p.add_argument("--out", default=None, help="write final weights and step count here (torch.save)")
     args = p.parse_args(argv)
 
     pool = GpuPoolCallback(
@@ -111,22 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         default_root_dir=args.checkpoint_dir,
     )
     trainer.fit(model, ckpt_path=pool.resume_from)
-    if pool.preempted:
-        print(f"GPUPOOL_PREEMPTED rank={trainer.global_rank} step={trainer.global_step}", flush=True)
-    if trainer.is_global_zero:
-        result = {
-            "job": pool.job,
-            "global_step": trainer.global_step,
-            "preempted": pool.preempted,
-            "preemptions": pool.preemptions,
-            "lease_generation": pool.lease_generation,
-            "resumed_from": pool.resume_from,
-            "checkpoint": pool.last_checkpoint,
-            "phases": pool.phase_timer.lifetime(),
-        }
-        print("GPUPOOL_RESULT " + json.dumps(result), flush=True)
-        if args.out and not pool.preempted:
-            torch.save({"state_dict": model.state_dict(), "global_step": trainer.global_step}, args.out)
+    report_result(pool, trainer, model, args.out)
     pool.exit_if_preempted()
     return 0
 
