@@ -13,13 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from conftest import dump_logs_if_failed
+from conftest import wait_for as shared_wait_for
 
 from gpupool_sdk.resources import Allocation, JobState, JobStatus
 from gpupool_sdk.store import EtcdStore
@@ -32,15 +32,8 @@ DEADLINE = 90.0
 
 
 def wait_for(cond: Callable[[], T], timeout: float = DEADLINE, what: str = "condition", interval: float = 0.1) -> T:
-    """Poll ``cond`` until truthy; fail naming ``what`` after ``timeout`` seconds (a generous bound)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+    """:func:`conftest.wait_for` with a longer default bound: Lightning trainers start slowly on a busy machine."""
+    return shared_wait_for(cond, timeout, what, interval)
 
 
 class LivePool:

@@ -18,9 +18,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+
+from conftest import wait_for
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import StoreError
@@ -41,8 +42,6 @@ from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.records import ResumeRecord
 from scenarios.invariants import check_invariants
 
-T = TypeVar("T")
-
 COORD_TTL = 3
 LOOP_WAIT = 0.5
 # Leadership is trusted for ttl - retry_timeout = 2.25 s after a renewal: tolerant of a busy machine.
@@ -53,18 +52,6 @@ JOB_TIMING = LeaseTiming(ttl_s=6, keepalive_interval_s=1.0, retry_timeout_s=2.0)
 DEADLINE = 30.0  # generous bound for conditions that normally hold within a second
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(cond: Callable[[], T], timeout: float = DEADLINE, what: str = "condition", interval: float = 0.05) -> T:
-    """Poll ``cond`` until it returns something truthy; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Job:
