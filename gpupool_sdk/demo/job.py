@@ -34,6 +34,10 @@ from gpupool_sdk.integrations.lightning import GpuPoolCallback, ResumableDataLoa
 class TinyRegressor(pl.LightningModule):
     """A two-layer MLP on synthetic data; ``step_sleep`` stands in for real GPU work.
 
+    The pretend work is split as a real step's would be, so the phase breakdown that ``gpupool
+    top`` and the demo summary show has something to show: a third in the forward pass, half in
+    the backward pass and the rest in the optimizer step.
+
     The data (``samples`` rows of 16 features, a noisy linear target) is drawn from ``seed``, and
     the loader is a :class:`~gpupool_sdk.integrations.lightning.ResumableDataLoader`, so a run
     resumed from a preemption checkpoint sees the same batches as an uninterrupted one.
@@ -53,8 +57,18 @@ class TinyRegressor(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self.step_sleep:
-            time.sleep(self.step_sleep)
+            time.sleep(self.step_sleep / 3)
         return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        super().backward(loss, *args, **kwargs)
+        if self.step_sleep:
+            time.sleep(self.step_sleep / 2)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.step_sleep:
+            time.sleep(self.step_sleep / 6)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
