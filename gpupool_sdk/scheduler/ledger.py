@@ -63,7 +63,7 @@ class Holding:
 
 
 class _ClassIndex:
-    __slots__ = ("features", "model", "phys", "empty", "part_g", "part_s", "max_island")
+    __slots__ = ("features", "model", "phys", "empty", "part_g", "part_s", "max_island", "size")
 
     def __init__(self, model: str, features: tuple[str, ...], phys: int) -> None:
         self.model = model
@@ -74,6 +74,8 @@ class _ClassIndex:
         self.part_g: list[list[tuple[float, int]]] = [[] for _ in COMPUTE_BUCKETS]
         self.part_s: list[tuple[float, int]] = []
         self.max_island = 0
+        #: schedulable GPUs of the class (``len(empty)`` of them are idle).
+        self.size = 0
 
 
 class GpuLayout:
@@ -138,18 +140,23 @@ class Ledger:
         overcommit_ratio: the shared-class overcommit ratio.
     """
 
-    def __init__(self, gpus: Iterable[GpuInfo], schedulable: Iterable[str], overcommit_ratio: float) -> None:
-        self._setup(GpuLayout(gpus, schedulable), overcommit_ratio)
+    def __init__(
+        self, gpus: Iterable[GpuInfo], schedulable: Iterable[str], overcommit_ratio: float,
+        spread_idle_above: float = 1.0,
+    ) -> None:
+        self._setup(GpuLayout(gpus, schedulable), overcommit_ratio, spread_idle_above)
 
     @classmethod
-    def from_layout(cls, layout: GpuLayout, overcommit_ratio: float) -> Ledger:
+    def from_layout(cls, layout: GpuLayout, overcommit_ratio: float, spread_idle_above: float = 1.0) -> Ledger:
         """An empty ledger on the GPUs of ``layout`` (cheaper than the constructor: nothing is sorted)."""
         ledger = cls.__new__(cls)
-        ledger._setup(layout, overcommit_ratio)
+        ledger._setup(layout, overcommit_ratio, spread_idle_above)
         return ledger
 
-    def _setup(self, layout: GpuLayout, overcommit_ratio: float) -> None:
+    def _setup(self, layout: GpuLayout, overcommit_ratio: float, spread_idle_above: float = 1.0) -> None:
         self.layout = layout
+        #: ``SchedulerConfig.spread_idle_above`` (see :meth:`prefers_idle`).
+        self.spread_idle_above = spread_idle_above
         self.gpus = layout.gpus
         self.index_of = layout.index_of
         self.ratio = overcommit_ratio
@@ -172,6 +179,7 @@ class Ledger:
             cls = self._classes[key] = _ClassIndex(key[0], key[1], key[2])
             cls.max_island = layout.class_island[c]
             cls.empty = list(layout.class_empty[c])
+            cls.size = len(cls.empty)
         by_id = list(self._classes.values())
         self._class_of: list[_ClassIndex | None] = [None if c is None else by_id[c] for c in layout.class_id]
         self._key_empty: list[tuple[float, int] | None] = list(layout.empty_key)
@@ -308,13 +316,27 @@ class Ledger:
                 lst.sort()
             cls.part_s.sort()
 
+    def prefers_idle(self, req: SliceRequest) -> bool:
+        """True when a slice of ``req`` should go to an idle GPU first (``spread_idle_above``).
+
+        That is while more than ``spread_idle_above`` of the schedulable GPUs ``req`` may use are
+        idle; exclusive requests only ever see idle GPUs anyway.
+        """
+        threshold = self.spread_idle_above
+        if threshold >= 1.0 or req.qos is QoS.EXCLUSIVE:
+            return False
+        classes = self.matching_classes(req.features, req.gpu_model)
+        total = sum(c.size for c in classes)
+        return total > 0 and sum(len(c.empty) for c in classes) > threshold * total
+
     def candidates(
-        self, req: SliceRequest, avoid_nodes: Iterable[str] = (), min_island: int = 0
+        self, req: SliceRequest, avoid_nodes: Iterable[str] = (), min_island: int = 0, idle_first: bool = False
     ) -> Iterator[int]:
         """GPUs that can take one slice of ``req`` now, best fit first.
 
         Order: partly used GPUs by least leftover (memory for guaranteed, quota headroom for
-        shared), then idle GPUs by smallest memory, ties by node and index. Exclusive jobs only
+        shared), then idle GPUs by smallest memory, ties by node and index; ``idle_first`` puts
+        the idle GPUs first (spreading instead of packing, see :meth:`prefers_idle`). Exclusive jobs only
         see idle GPUs, so whole GPUs stay whole for them. GPUs reserved for another job and nodes
         of the job's anti-affinity group (and ``avoid_nodes``) are skipped. ``min_island`` > 0
         restricts the search to classes that have NVLink islands of at least that size.
@@ -345,10 +367,10 @@ class Ledger:
             partial_lists = [c.part_s for c in classes]
             need_part = float(req.peak)
             need_empty = max(req.memory / ratio, float(req.peak))
-        for stream in (
-            _merged(partial_lists, need_part),
-            _merged([c.empty for c in classes], need_empty),
-        ):
+        streams = [_merged(partial_lists, need_part), _merged([c.empty for c in classes], need_empty)]
+        if idle_first:
+            streams.reverse()
+        for stream in streams:
             for _key, i in stream:
                 holder = blocked.get(i)
                 if holder is not None and holder != job:

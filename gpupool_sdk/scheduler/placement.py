@@ -4,7 +4,8 @@ The ledger yields the GPUs that can take one slice in best-fit order (partly use
 leftover first, idle GPUs last and smallest first). Placement walks that order once and applies
 the job's topology wish:
 
-* one slice: the first candidate (best fit);
+* one slice: the first candidate (best fit), or the first idle GPU while many are idle
+  (``SchedulerConfig.spread_idle_above``: colocated jobs slow each other down);
 * ``pack``: the first NVLink island to collect enough candidates, else the first node to do so,
   else the fewest nodes (nodes with the most candidates first);
 * ``spread``: the first candidate of each node, until enough distinct nodes;
@@ -26,10 +27,10 @@ from gpupool_sdk.scheduler.ledger import Holding, Ledger
 
 def place(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str] = ()) -> list[int] | None:
     """Choose GPUs for ``req``; returns ledger GPU indices (``min_count`` to ``count`` of them) or None."""
-    cands = ledger.candidates(req, avoid_nodes)
     count = req.count
     if count == 1:
-        return _first(cands)
+        return _first(ledger.candidates(req, avoid_nodes, idle_first=ledger.prefers_idle(req)))
+    cands = ledger.candidates(req, avoid_nodes)
     if req.topology == "spread":
         return _spread(ledger, cands, count, req.min_count)
     if req.topology == "any":

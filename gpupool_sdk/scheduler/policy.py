@@ -12,7 +12,12 @@ capacity ledger with reserve / un-reserve):
    else wait for capacity already being freed, else Balloon, else Preempt lower-priority jobs
    or, with LAS, same-level jobs in a higher attained-service queue (:mod:`.preempt`),
    else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
-7. when nothing is left waiting: Deflate ballooned jobs, Resize elastic jobs up.
+7. when nothing is left waiting: Deflate ballooned jobs;
+8. when every queued job was considered in full (none cut by ``max_decisions`` or
+   ``max_preemption_attempts``): grow elastic jobs toward ``max_gpus`` into the capacity left,
+   which no queued job can be placed on and which is held for nobody else: first the grants of
+   this cycle (their Grant is enlarged: a job is never resized in the cycle it is granted), then
+   running jobs with Resize. A resize that grows holds the GPUs it grows into until its ack.
 
 Every pending job gets exactly one Grant, Queue or Reject per cycle.
 """
@@ -71,7 +76,7 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
     """
     memo = memo if memo is not None else _BuildMemo()
     layout = memo.layout_for(snapshot)
-    ledger = Ledger.from_layout(layout, config.overcommit_ratio)
+    ledger = Ledger.from_layout(layout, config.overcommit_ratio, config.spread_idle_above)
     index_of = ledger.index_of
     old = memo.held if memo.config is config and memo.held_layout is layout else {}
     held_by_job: dict[str, tuple[JobView, list[Holding]]] = {}
@@ -154,6 +159,11 @@ class _Cycle:
     no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
     #: :func:`victim_key` (without LAS) of the jobs holding capacity, for reservations.
     holder_keys: dict[str, tuple[int, int, int, float, int, str]] = field(default_factory=dict)
+    #: elastic jobs granted this cycle below ``max_gpus``: (index of their Grant in ``decisions``, request).
+    fresh: dict[str, tuple[int, SliceRequest]] = field(default_factory=dict)
+    #: queued jobs not considered in full (cut by ``max_decisions`` or ``max_preemption_attempts``):
+    #: they might have used free capacity or made a plan, so nothing grows this cycle.
+    deferred: int = 0
 
 
 class Scheduler:
@@ -209,7 +219,7 @@ class Scheduler:
             d = view.directive
             if d is None or name in cyc.preempting:
                 continue
-            if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
+            if d.kind is DirectiveKind.PREEMPT:
                 cyc.preempting[name] = freeing_for(view)
             elif d.kind is DirectiveKind.BALLOON and "memory_bytes" in d.target:
                 cyc.ballooning[name] = (target_int(d, "memory_bytes", view.spec.memory_bytes), freeing_for(view))
@@ -223,6 +233,10 @@ class Scheduler:
                 pending.append((view, max(view.spec.min_gpus or 1, min(target, view.spec.max_gpus or target))))
             elif view.state is JobState.PENDING and not view.allocations and name not in cyc.busy:
                 pending.append((view, None))
+
+        # A resize holds the room it grows into, from its directive to its re-placement.
+        if snapshot.gpus:
+            self._hold_resizes(cyc, proto.busy, {v.name: c for v, c in pending if c is not None})
 
         if not snapshot.gpus:
             for view, _ in pending:
@@ -254,14 +268,16 @@ class Scheduler:
                     Queue(view.name, f"queued: not considered this cycle (max_decisions={config.max_decisions} reached)")
                 )
                 cyc.queued += 1
+                cyc.deferred += 1
                 continue
             considered += 1
             self._consider(cyc, view, req)
 
         if cyc.queued == 0:
             self._deflate(cyc)
-            if config.resize_up:
-                self._resize_up(cyc)
+        if config.resize_up and cyc.deferred == 0:
+            self._grow_fresh(cyc)
+            self._resize_up(cyc)
         return ScheduleResult(tuple(cyc.decisions), considered=considered)
 
     # ------------------------------------------------------------------ one pending job
@@ -290,17 +306,17 @@ class Scheduler:
                 return
 
         # 2-3. Balloon shared jobs down to their predicted peaks, else preempt lower-priority jobs.
-        if (
-            config.allow_preemption
-            and cyc.actions < config.max_decisions
-            and cyc.attempts < config.max_preemption_attempts
-        ):
+        if config.allow_preemption and cyc.actions < config.max_decisions:
             held_for_it = view.name in ledger.blocked_jobs  # others' failures say nothing about its GPUs
             las = las_bound(view, prio, now, config)
             # A failed victim search says nothing about a job with other LAS victims: key by them.
             pkey = shape if las is None else (*shape, las)
             try_balloon = held_for_it or _worth_trying(cyc.no_balloon.get(shape), ledger.frees, prio)
             try_preempt = held_for_it or _worth_trying(cyc.no_preempt.get(pkey), ledger.frees, prio)
+            if (try_balloon or try_preempt) and cyc.attempts >= config.max_preemption_attempts:
+                # It may have had a plan: it searches again next cycle, and nothing grows meanwhile.
+                cyc.deferred += 1
+                try_balloon = try_preempt = False
             if try_balloon or try_preempt:
                 cyc.attempts += 1
             if try_balloon and self._try_balloon(cyc, view, req, prio):
@@ -424,7 +440,18 @@ class Scheduler:
         ledger = cyc.ledger
         held = holdings_for(ledger, req, gpus)
         ledger.reserve(view.name, held, req.anti_affinity)
-        slices = tuple(
+        slices = self._slices(ledger, held)
+        nodes = sorted({s.node for s in slices})
+        reason = f"granted {_count(len(slices), 'slice')} on {', '.join(nodes)}"
+        if len(slices) < view.spec.gpus:
+            reason += f" (elastic: {len(slices)} of {view.spec.gpus} wanted)"
+        if len(slices) < (view.spec.max_gpus or view.spec.gpus):
+            cyc.fresh[view.name] = (len(cyc.decisions), req)
+        cyc.decisions.append(Grant(view.name, slices, reason))
+        cyc.actions += 1
+
+    def _slices(self, ledger: Ledger, held: list[Holding]) -> tuple[SliceGrant, ...]:
+        return tuple(
             SliceGrant(
                 node=ledger.gpus[h.gpu].node,
                 gpu_uuid=ledger.gpus[h.gpu].uuid,
@@ -434,12 +461,6 @@ class Scheduler:
             )
             for h in held
         )
-        nodes = sorted({s.node for s in slices})
-        reason = f"granted {_count(len(slices), 'slice')} on {', '.join(nodes)}"
-        if len(slices) < view.spec.gpus:
-            reason += f" (elastic: {len(slices)} of {view.spec.gpus} wanted)"
-        cyc.decisions.append(Grant(view.name, slices, reason))
-        cyc.actions += 1
 
     def _queue(self, cyc: _Cycle, view: JobView, reason: str) -> None:
         cyc.decisions.append(Queue(view.name, reason))
@@ -510,7 +531,71 @@ class Scheduler:
             else:
                 ledger.replace(name, old)
 
+    # ------------------------------------------------------------------ elastic growth
+
+    def _hold_resizes(self, cyc: _Cycle, busy: set[str], requeued: dict[str, int]) -> None:
+        """Hold for each growing resize the GPUs it will be re-placed on, as a preemption's room is
+        held for its ``for_job``: while it checkpoints (its directive in flight, before its
+        deadline) and in the cycle of its ack (``requeued``: its slices were just freed), nobody
+        else is placed there. The GPUs are found again each cycle, best fit, among those held for
+        nobody else (the snapshot does not say which ones the resize chose)."""
+        ledger = cyc.ledger
+        config = cyc.config
+        jobs = cyc.snapshot.jobs
+        frees = ledger.frees
+        for name in sorted(busy | requeued.keys()):
+            view = jobs[name]
+            if name in requeued:
+                req = request_for(view, config, requeued[name])
+                gpus = place(ledger, req)
+            else:
+                d = view.directive
+                if d is None or d.kind is not DirectiveKind.RESIZE:
+                    continue
+                have = len(view.allocations)
+                target = min(target_int(d, "gpus", have), view.spec.max_gpus or view.spec.gpus)
+                if target <= have:
+                    continue  # a shrink needs no room
+                req = replace(request_for(view, config, target), min_count=have + 1)
+                old = ledger.unreserve(name)
+                gpus = place(ledger, req)
+                ledger.restore(name, old)
+            if gpus:
+                ledger.block(gpus, name)
+        ledger.frees = frees
+
+    def _grow_fresh(self, cyc: _Cycle) -> None:
+        """Enlarge this cycle's grants of elastic jobs toward ``max_gpus`` into the capacity left
+        after every pending job was considered (no queued job can be placed on it; GPUs held for
+        others are skipped), in the order they were granted. Growing a job at its grant costs
+        nothing; a Resize right after it would cost a checkpoint and a restart."""
+        ledger = cyc.ledger
+        jobs = cyc.snapshot.jobs
+        for name, (idx, req) in cyc.fresh.items():
+            grant = cyc.decisions[idx]
+            assert isinstance(grant, Grant) and grant.job == name
+            have = len(grant.slices)
+            max_g = jobs[name].spec.max_gpus or jobs[name].spec.gpus
+            big = replace(req, count=max_g, min_count=have + 1)
+            old = ledger.unreserve(name)
+            gpus = place(ledger, big)
+            if gpus is None or len(gpus) <= have:
+                ledger.restore(name, old)
+                continue
+            held = holdings_for(ledger, big, gpus)
+            ledger.reserve(name, held, req.anti_affinity)
+            slices = self._slices(ledger, held)
+            nodes = sorted({s.node for s in slices})
+            why = "nothing queued" if cyc.queued == 0 else "no queued job can use them"
+            reason = (
+                f"granted {_count(len(slices), 'slice')} on {', '.join(nodes)} "
+                f"(elastic: {len(slices)} of max {max_g}, {why})"
+            )
+            cyc.decisions[idx] = Grant(name, slices, reason)
+
     def _resize_up(self, cyc: _Cycle) -> None:
+        """Resize running elastic jobs up toward ``max_gpus`` into the capacity left (see
+        :meth:`_grow_fresh`); never a job granted at this instant."""
         ledger = cyc.ledger
         config = cyc.config
         now = cyc.snapshot.now
@@ -518,6 +603,7 @@ class Scheduler:
             (v for v in cyc.snapshot.jobs.values() if v.spec.is_elastic),
             key=lambda v: (-v.spec.priority, v.order, v.name),
         )
+        why = "nothing pending" if cyc.queued == 0 else "no queued job can use the free GPUs"
         for view in views:
             if cyc.actions >= config.max_decisions:
                 return
@@ -525,7 +611,7 @@ class Scheduler:
             max_g = view.spec.max_gpus or view.spec.gpus
             if view.state is not JobState.GRANTED or view.directive is not None or view.name in cyc.busy:
                 continue
-            if have == 0 or have >= max_g:
+            if have == 0 or have >= max_g or (view.granted_at is not None and view.granted_at >= now):
                 continue
             req = request_for(view, config, max_g)
             req = replace(req, min_count=min(have + 1, req.count))
@@ -539,7 +625,7 @@ class Scheduler:
                 Resize(
                     view.name,
                     len(gpus),
-                    f"nothing pending: grow from {have} to {len(gpus)} GPU(s) (max {max_g})",
+                    f"{why}: grow from {have} to {len(gpus)} GPU(s) (max {max_g})",
                     deadline=preempt_deadline(view, now, config),
                 )
             )

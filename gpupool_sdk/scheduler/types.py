@@ -50,6 +50,11 @@ class SchedulerConfig:
         max_preemption_attempts: at most this many pending jobs per cycle search for balloon or
             preemption victims (the costly part of a cycle; the highest in queue order go first,
             the others try again next cycle, as in the Kubernetes scheduler).
+        spread_idle_above: a one-slice job goes to an idle GPU rather than a partly used one while
+            more than this fraction of the GPUs it may use are idle. Jobs sharing a GPU slow each
+            other down, so packing pays only when GPUs get scarce; below the threshold the
+            scheduler packs (best fit), which keeps the remaining idle GPUs whole for whole-GPU
+            and gang jobs. 1.0 = always pack; 0.0 = spread whenever an idle GPU is free.
     """
 
     overcommit_ratio: float = 1.0
@@ -68,6 +73,7 @@ class SchedulerConfig:
     max_reservations: int = 2
     resize_up: bool = True
     max_preemption_attempts: int = 32
+    spread_idle_above: float = 0.25
 
     def __post_init__(self) -> None:
         for name in (
@@ -100,6 +106,10 @@ class SchedulerConfig:
         if self.las_promote_after_factor < 0:
             raise ConfigError(
                 "las_promote_after_factor", f"must be >= 0 (0 = no promotion), got {self.las_promote_after_factor}"
+            )
+        if not 0.0 <= self.spread_idle_above <= 1.0:  # NaN fails too
+            raise ConfigError(
+                "spread_idle_above", f"must be a fraction in [0, 1] (1 = always pack), got {self.spread_idle_above}"
             )
         if self.max_reservations < 0:
             raise ConfigError("max_reservations", f"must be >= 0, got {self.max_reservations}")

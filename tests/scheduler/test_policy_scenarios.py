@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from sched_helpers import by_job, gpus, job, only, run, running, snap
 
+from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import GiB
 from gpupool_sdk.scheduler import Grant, Queue, Reject
 
@@ -30,11 +32,37 @@ def test_empty_pool_queues() -> None:
 
 
 def test_best_fit_prefers_partly_used_gpu() -> None:
+    # spread_idle_above=1.0: always pack.
     g = gpus("node-a:2xH100-80GB:nvlink")
     first = list(g.values())[1]
     held = running(job("x", memory="40GiB", compute_share=0.5), [first])
-    d = only(run(snap(g, [held, job("a", memory="20GiB", compute_share=0.5)])), "a")
+    d = only(run(snap(g, [held, job("a", memory="20GiB", compute_share=0.5)]), SchedulerConfig(spread_idle_above=1.0)), "a")
     assert isinstance(d, Grant) and d.slices[0].gpu_uuid == first.uuid
+
+
+def test_idle_gpu_first_while_many_are_idle_then_best_fit() -> None:
+    # Default spread_idle_above=0.25. 4 GPUs, x holds half of GPU 3: 3 of 4 idle (75 % > 25 %), so the
+    # new half-GPU slice goes to an idle GPU (the first idle one in best-fit order), not next to x.
+    g = gpus("node-a:4xH100-80GB:nvlink")
+    gl = list(g.values())
+    x = running(job("x", memory="40GiB", compute_share=0.5), [gl[3]])
+    d = only(run(snap(g, [x, job("a", memory="20GiB", compute_share=0.5)])), "a")
+    assert isinstance(d, Grant) and d.slices[0].gpu_uuid == gl[0].uuid
+    # Three GPUs partly used, one idle: 1 of 4 idle is not above 25 %, so the slice packs next to the
+    # fullest job it fits with (x2 holds 60 GiB of 80: least leftover), keeping GPU 0 whole.
+    x1 = running(job("x1", memory="40GiB", compute_share=0.5), [gl[1]])
+    x2 = running(job("x2", memory="60GiB", compute_share=0.5), [gl[2]])
+    d = only(run(snap(g, [x, x1, x2, job("a", memory="20GiB", compute_share=0.5)])), "a")
+    assert isinstance(d, Grant) and d.slices[0].gpu_uuid == gl[2].uuid
+    # spread_idle_above=0: any idle GPU goes first.
+    d = only(run(snap(g, [x, x1, x2, job("a", memory="20GiB", compute_share=0.5)]), SchedulerConfig(spread_idle_above=0.0)), "a")
+    assert isinstance(d, Grant) and d.slices[0].gpu_uuid == gl[0].uuid
+
+
+def test_spread_idle_above_must_be_a_fraction() -> None:
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="spread_idle_above: must be a fraction in"):
+            SchedulerConfig(spread_idle_above=bad)
 
 
 def test_each_pending_job_gets_one_decision() -> None:
