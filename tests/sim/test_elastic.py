@@ -98,27 +98,54 @@ def test_baselines_keep_elastic_rows_rigid(tmp_path: Path) -> None:
 
 
 def test_elastic_flag_grows_a_lone_job_at_once(tmp_path: Path) -> None:
-    # --elastic 0.5,2: the 1-GPU job may use 1-2 GPUs. t=0: granted 1 slice (its spec's count), and
-    # the follow-up cycle at the same instant resizes it to 2: checkpoint 0-10, then 100 + 20 s of work
-    # at 1.6: 75 s, ends at 85.
+    # --elastic 0.5,2: the 1-GPU job may use 1-2 GPUs. t=0: nothing else waits, so its grant is
+    # enlarged to 2 slices in the same cycle (no resize, no checkpoint): 100 s of work at 1.6 = 62.5 s.
+    # (Before: granted 1 slice, resized to 2 by the follow-up cycle at t=0, checkpoint 0-10, then
+    # 100 + 20 s of work at 1.6 = 75 s: ended at 85, 1 resize.)
     policy = _pool(PoolMapping(elastic=(0.5, 2.0)))
     times, result = _run(tmp_path, "a,t,0,,,100,1,1.0,,,gpu_mem_gib=4\n", policy)
-    assert times == {"a": (0.0, 85.0)}
-    assert result.resizes == 1
+    assert times == {"a": (0.0, 62.5)}
+    assert result.resizes == 0
     a = result.jobs[0]
+    assert (a.resizes, a.restarts) == (0, 0)
     assert (policy.spec_for(a).min_gpus, policy.spec_for(a).max_gpus) == (1, 2)
 
 
-def test_resize_that_loses_its_room_is_regranted_at_what_fits(tmp_path: Path) -> None:
-    # x (1 GPU, 100 s, elastic 1-2) is resized to 2 at t=0 and checkpoints until 10. y (rigid, 1 GPU,
-    # 50 s) arrives at 5 and takes the free GPU (the scheduler does not hold it for the resize).
-    # t=10: x acks and is re-granted only 1 slice: 100 + 20 = 120 s of work from 10; y ends at 55.
-    # t=55: x has 75 s left; resized again, checkpoints 55-65, granted 2 slices with 75 + 20 = 95 s
-    # of work at 1.6 = 59.375 s: ends at 124.375.
-    rows = "x,t,0,,,100,1,1.0,,,gpu_mem_gib=4\ny,t,5,,,50,1,1.0,,,gpu_mem_gib=4;min_gpu=1;max_gpu=1\n"
+def test_resize_holds_the_room_it_grows_into(tmp_path: Path) -> None:
+    # r (rigid, 1 GPU, 50 s) and x (1 GPU, 100 s, elastic 1-2) arrive at 0 on 2 GPUs: each gets one
+    # (x cannot grow). t=50: r ends, x (50 s done, 50 left) is resized to 2 and checkpoints 50-60.
+    # y (rigid, 1 GPU, 50 s) arrives at 55: the free GPU is held for x's resize, so y queues.
+    # t=60: x acks and is re-granted 2 slices: 50 + 20 restart = 70 s of work at 1.6 = 43.75 s, ends
+    # at 103.75; y starts then and ends at 153.75. One resize, no preemption.
+    # (Before: y took the GPU at 55 and ran 55-105; x was re-granted 1 slice at 60 with 70 s of work,
+    # had 25 left at 105, was resized again (checkpoint 105-115, 45 s at 1.6) and ended at 143.125
+    # after 2 resizes.)
+    rows = (
+        "r,t,0,,,50,1,1.0,,,gpu_mem_gib=4;min_gpu=1;max_gpu=1\n"
+        "x,t,0,,,100,1,1.0,,,gpu_mem_gib=4\n"
+        "y,t,55,,,50,1,1.0,,,gpu_mem_gib=4;min_gpu=1;max_gpu=1\n"
+    )
     times, result = _run(tmp_path, rows, _pool(PoolMapping(elastic=(0.5, 2.0))))
-    assert times == {"x": (0.0, 124.375), "y": (5.0, 55.0)}
-    assert result.resizes == 2
+    assert times == {"r": (0.0, 50.0), "x": (0.0, 103.75), "y": (103.75, 153.75)}
+    assert result.resizes == 1 and result.preemptions == 0
+
+
+def test_elastic_job_grows_past_a_queued_gang_that_cannot_use_the_room(tmp_path: Path) -> None:
+    # 3 GPUs. a (rigid, 1 GPU, 40 s), b (rigid, 1 GPU, 100 s), x (1 GPU, 120 s, elastic 1-2) at 0:
+    # one GPU each. g (rigid gang of 3, 10 s) arrives at 1 and queues (every GPU is busy; no
+    # preemption among equal priorities). t=40: a ends; g cannot be placed on the 1 free GPU, so x
+    # (40 s done, 80 left) grows into it: checkpoint 40-50, then 80 + 20 = 100 s of work at 1.6 =
+    # 62.5 s: ends at 112.5 (b ends at 100); g runs 112.5-122.5. (Before: the queued g blocked all
+    # growth; the freed GPU idled from 40, x ended at 120 on 1 GPU and g ran 120-130.)
+    rows = (
+        "a,t,0,,,40,1,1.0,,,gpu_mem_gib=4;min_gpu=1;max_gpu=1\n"
+        "b,t,0,,,100,1,1.0,,,gpu_mem_gib=4;min_gpu=1;max_gpu=1\n"
+        "x,t,0,,,120,1,1.0,,,gpu_mem_gib=4\n"
+        "g,t,1,,,10,3,1.0,,,gpu_mem_gib=4;min_gpu=3;max_gpu=3\n"
+    )
+    times, result = _run(tmp_path, rows, _pool(PoolMapping(elastic=(0.5, 2.0))), cluster="3xV100-32GB")
+    assert times == {"a": (0.0, 40.0), "b": (0.0, 100.0), "x": (0.0, 112.5), "g": (112.5, 122.5)}
+    assert result.resizes == 1 and result.preemptions == 0
 
 
 def test_gpu_used_metric_ignores_the_scaling_factor(tmp_path: Path) -> None:
