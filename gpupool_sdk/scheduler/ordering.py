@@ -22,9 +22,21 @@ from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
 
 
 def run_s(view: JobView) -> float:
-    """Seconds the job has run in all, estimated from ``attained_gpu_s`` over its slice count."""
-    slices = len(view.allocations) or view.spec.gpus
-    return max(0.0, view.attained_gpu_s) / max(1, slices)
+    """Seconds the job has run in all: ``attained_gpu_s`` over the compute it holds (or asks for).
+
+    ``attained_gpu_s`` counts compute share x seconds per slice, so it is divided by the sum of
+    the shares, not the slice count: a half-GPU job that ran an hour ran 3,600 s, not 1,800 s.
+
+    Example:
+        >>> from gpupool_sdk.resources import JobSpec
+        >>> run_s(JobView(spec=JobSpec(name="a", memory="4GiB", compute_share=0.5), attained_gpu_s=1800.0))
+        3600.0
+    """
+    if view.allocations:
+        compute = sum(a.compute_share for a in view.allocations)
+    else:
+        compute = view.spec.gpus * view.spec.compute_share
+    return max(0.0, view.attained_gpu_s) / max(compute, 1e-9)
 
 
 def waited_s(view: JobView, now: float) -> float:

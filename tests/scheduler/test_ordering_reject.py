@@ -33,6 +33,9 @@ def test_waited_excludes_time_run() -> None:
     granted = replace(requeued, granted_at=800.0, attained_gpu_s=2 * 500.0)  # 300 s before, 200 s now
     assert waited_s(granted, 1000.0) == 500.0  # frozen at its grant: 800 - 300
     assert waited_s(replace(granted, attained_gpu_s=0.0), 1000.0) == 800.0  # no history: queued until granted
+    # A half-GPU job attains 0.5 GPU-s per second: 1,800 GPU-s is 3,600 s of running, not 1,800 s.
+    half = replace(job("h", memory="1GiB", compute_share=0.5, queued_at=0.0), attained_gpu_s=1800.0)
+    assert waited_s(half, 4000.0) == 400.0
 
 
 def names(views: list, now: float, cfg: SchedulerConfig = CFG) -> list[str]:
