@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
             traceback.print_exc()
             results[name] = {"status": f"failed: {type(exc).__name__}: {exc}"}
-        results[name] = {"wall_s": round(time.monotonic() - t0, 1), **dict(results[name])}
+        results[name] = {
+            "measured": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {machine()['commit']}",
+            "wall_s": round(time.monotonic() - t0, 1),
+            **dict(results[name]),
+        }
         print(json.dumps(results[name], default=str, indent=1)[:2000], flush=True)
 
     for name in BENCHES:
@@ -115,11 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     results = {n: results[n] for n in BENCHES if n in results}
     raw_path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
     m = machine()
-    cmd = "python benchmarks/run_all.py" + (" (run one benchmark at a time with --only NAME)" if args.only else "")
+    cmd = "python benchmarks/run_all.py"
     lines = [
         "# Benchmarks",
         "",
-        f"Written by `{cmd}` on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC.",
+        f"Written by `{cmd}` on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. One benchmark can be",
+        f"rerun alone with `{cmd} --only NAME` (the others keep their figures); each section says when",
+        "and at which commit it was measured (`measured`).",
         "Figures are ratios measured side by side in one run where a comparison is made; absolute",
         "times depend on the machine below (a shared 2-core VM unless it says otherwise).",
         "",
