@@ -7,9 +7,8 @@ Fixtures:
     store: an :class:`~gpupool_sdk.store.EtcdStore` on that keyspace, closed after the test.
     etcdctl: ``etcdctl(*args, input=None, check=True)`` -> ``CompletedProcess`` against the session etcd.
 
-Helpers for the harnesses that run real processes (``scenarios/harness.py``, ``integrations/conftest.py``):
-    wait_for: poll a condition with a generous bound, failing with what was awaited.
-    dump_logs_if_failed: print the tail of the process logs of a failed test.
+Helpers for the harnesses that run real processes live in ``tests/testkit.py`` (``wait_for``,
+``dump_logs_if_failed``): a module of its own name, since several folders have a ``conftest``.
 
 Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is False.
 """
@@ -18,12 +17,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -31,8 +27,6 @@ from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.launcher import EtcdServer, find_etcdctl_binary
 
 TEST_PREFIX_ROOT = "/gpupool-test"
-
-T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -117,23 +111,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     rep = outcome.get_result()  # type: ignore[attr-defined]
     setattr(item, f"rep_{rep.when}", rep)
-
-
-def wait_for(cond: Callable[[], T], timeout: float = 30.0, what: str = "condition", interval: float = 0.05) -> T:
-    """Poll ``cond`` until it returns something truthy (and return it); fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
-
-
-def dump_logs_if_failed(request: pytest.FixtureRequest, log_dir: Path, tail_chars: int = 5000) -> None:
-    """Print the tail of every ``*.log`` in ``log_dir`` when the test's call phase failed."""
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed:
-        for f in sorted(log_dir.glob("*.log")):
-            sys.stderr.write(f"\n----- {f.name} (tail) -----\n{f.read_text(errors='replace')[-tail_chars:]}\n")

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from conftest import dump_logs_if_failed
-from conftest import wait_for as shared_wait_for
+from testkit import dump_logs_if_failed
+from testkit import wait_for as shared_wait_for
 
 from gpupool_sdk.resources import Allocation, JobState, JobStatus
 from gpupool_sdk.store import EtcdStore
@@ -32,7 +32,7 @@ DEADLINE = 90.0
 
 
 def wait_for(cond: Callable[[], T], timeout: float = DEADLINE, what: str = "condition", interval: float = 0.1) -> T:
-    """:func:`conftest.wait_for` with a longer default bound: Lightning trainers start slowly on a busy machine."""
+    """:func:`testkit.wait_for` with a longer default bound: Lightning trainers start slowly on a busy machine."""
     return shared_wait_for(cond, timeout, what, interval)
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import dump_logs_if_failed
+from testkit import dump_logs_if_failed
 
 from gpupool_sdk.store.keyspace import Keyspace
 from scenarios.harness import Pool

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import wait_for
+from testkit import wait_for
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import StoreError
