@@ -67,6 +67,10 @@ class EtcdNotFoundError(GpupoolError):
     """No etcd binary was found for the embedded launcher."""
 
 
+class NodeClaimedError(GpupoolError):
+    """Another live agent publishes the node name this agent was given (two agents, one ``--node``)."""
+
+
 class NotLeaderError(GpupoolError):
     """A coordinator write was fenced out because this replica no longer leads."""
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +39,14 @@ from dataclasses import replace
 from typing import Any
 
 from gpupool_sdk.config import LeaseTiming
-from gpupool_sdk.errors import ConfigError, GpupoolError, LeaseLostError, SchemaError, StoreError
+from gpupool_sdk.errors import (
+    ConfigError,
+    GpupoolError,
+    LeaseLostError,
+    NodeClaimedError,
+    SchemaError,
+    StoreError,
+)
 from gpupool_sdk.inventory.base import InventoryBackend
 from gpupool_sdk.resources.gpu import GpuInfo, NodeInfo
 from gpupool_sdk.store.codec import decode
@@ -101,6 +110,7 @@ class NodeAgent:
         timing: LeaseTiming,
         refresh_interval_s: float = 5.0,
         wake: threading.Event | None = None,
+        take_over: bool = False,
     ) -> None:
         r = refresh_interval_s
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
@@ -111,6 +121,7 @@ class NodeAgent:
         self.refresh_interval_s = float(r)
         self.node = backend.node
         self.wake = wake if wake is not None else threading.Event()
+        self.take_over = take_over
         self._keeper: LeaseKeeper | None = None
         self._lease_lost = threading.Event()
         self._next_at = 0.0
@@ -142,6 +153,7 @@ class NodeAgent:
             The lease id.
 
         Raises:
+            NodeClaimedError: another live agent publishes this node name (and ``take_over`` is off).
             StoreUnavailableError: etcd cannot be reached.
             StoreError: another etcd failure.
         """
@@ -156,6 +168,10 @@ class NodeAgent:
 
         Returns:
             Seconds until the agent next needs a :meth:`tick`.
+
+        Raises:
+            NodeClaimedError: another live agent took this node name over; this agent must stop
+                publishing it (two agents writing one node would overwrite each other forever).
         """
         now = time.monotonic()
         try:
@@ -167,6 +183,8 @@ class NodeAgent:
             if now >= self._next_at:
                 self.refresh()
             return max(0.0, self._next_at - time.monotonic())
+        except NodeClaimedError:
+            raise
         except LeaseLostError as exc:
             log.warning("node %s: lease lost (%s); registering again", self.node, exc)
             self._lease_lost.set()
@@ -269,9 +287,9 @@ class NodeAgent:
         ops: list[Put | Delete] = []
         node_key = keys.node(self.node)
         node_kv = self.store.get(node_key)
+        if node_kv is not None and node_kv.lease not in (0, lease):
+            self._check_claim(node_kv, first=full and self.registrations == 0)
         if full or self._differs(node_kv, NodeInfo, node_info, lease):
-            if full and node_kv is not None and node_kv.lease not in (0, lease):
-                self._note_takeover(node_kv)
             ops.append(Put(node_key, node_info, lease))
 
         listed, _ = self.store.get_prefix(keys.gpus_prefix(self.node))
@@ -324,19 +342,57 @@ class NodeAgent:
             return True
         return bool(have != want)
 
-    def _note_takeover(self, kv: KeyValue) -> None:
-        try:
-            prev = decode(kv.key, kv.value, NodeInfo)
-            who = f"pid {prev.agent_pid} on {prev.hostname or '?'}"
-        except SchemaError:
-            who = "an unreadable value"
-        log.warning(
-            "node %s was published by %s under lease %x; taking it over (if that agent is alive, two agents "
-            "claim one node name: give each a distinct --node)",
-            self.node,
-            who,
-            kv.lease,
+    def _check_claim(self, kv: KeyValue, first: bool) -> None:
+        """The node key is on another lease: take it over, or raise when another agent owns it.
+
+        Taken over quietly: a dead lease (a killed agent, a partition), or a live one whose agent is
+        this process (an earlier registration whose lease it gave up for lost while etcd still kept
+        it) or ran on this host and is gone (a previous incarnation restarted within its TTL).
+        Otherwise another agent publishes this node name: on this agent's first registration it
+        refuses to start unless ``take_over``; later (the other agent took over, e.g. started with
+        ``--take-over``) it stops, rather than rewrite the node every refresh.
+        """
+        prev = self._previous(kv)
+        who = "an unreadable value" if prev is None else f"the agent with pid {prev.agent_pid} on {prev.hostname or '?'}"
+        info = self.store.lease_info(kv.lease)
+        if info is None or info.ttl_remaining <= 0:
+            log.warning("node %s was published by %s under lease %x, now expired; taking it over", self.node, who, kv.lease)
+            return
+        if prev is not None and _mine_or_gone(prev):
+            log.warning(
+                "node %s was published by %s (this process before, or gone from this host) under lease %x; "
+                "taking it over",
+                self.node,
+                who,
+                kv.lease,
+            )
+            return
+        if first and self.take_over:
+            log.warning(
+                "node %s is published by %s under live lease %x; taking it over (--take-over): that agent stops "
+                "at its next refresh",
+                self.node,
+                who,
+                kv.lease,
+            )
+            return
+        if first:
+            raise NodeClaimedError(
+                f"node {self.node} is already published by {who} under live lease {kv.lease:x}: two agents "
+                "cannot publish one node name. Give this agent another --node, stop the other agent (its keys "
+                f"vanish within its lease TTL), or pass --take-over to replace it"
+            )
+        raise NodeClaimedError(
+            f"node {self.node} was taken over by {who} under lease {kv.lease:x}; this agent stops publishing it "
+            "(two agents cannot publish one node name)"
         )
+
+    @staticmethod
+    def _previous(kv: KeyValue) -> NodeInfo | None:
+        try:
+            return decode(kv.key, kv.value, NodeInfo)
+        except SchemaError:
+            return None
 
     def _log_health_changes(self, gpus: Any) -> None:
         for g in gpus:
@@ -356,6 +412,21 @@ class NodeAgent:
         if tag not in self._warned:
             self._warned.add(tag)
             log.warning("%s", message)
+
+
+def _mine_or_gone(prev: NodeInfo) -> bool:
+    """True when ``prev`` names this process (an earlier registration) or a process of this host that is gone."""
+    if prev.hostname != socket.gethostname() or prev.agent_pid <= 0:
+        return False
+    if prev.agent_pid == os.getpid():
+        return True
+    try:
+        os.kill(prev.agent_pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists but belongs to someone else
+        return False
+    return False
 
 
 def run_agents(

@@ -102,6 +102,13 @@ def _backends(
 )
 @endpoints_option
 @prefix_option
+@click.option(
+    "--take-over",
+    is_flag=True,
+    default=False,
+    help="Replace a live agent that publishes the same node name (it stops at its next refresh); "
+    "without it, the agent refuses to start.",
+)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def agent(
     node: str | None,
@@ -112,6 +119,7 @@ def agent(
     max_temperature_c: float,
     endpoints: str | None,
     prefix: str | None,
+    take_over: bool,
     log_level: str,
 ) -> None:
     """Publish a node's GPUs under the agent's etcd lease and keep their health current.
@@ -156,7 +164,9 @@ def agent(
         )
 
     try:
-        agents = [NodeAgent(store, b, timing, refresh_interval_s=refresh_s, wake=wake) for b in backends]
+        agents = [
+            NodeAgent(store, b, timing, refresh_interval_s=refresh_s, wake=wake, take_over=take_over) for b in backends
+        ]
         run_agents(agents, stop, wake=wake, on_started=started)
     finally:
         restore()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +16,7 @@ import pytest
 
 from gpupool_sdk.agent import NodeAgent, publishable, run_agents
 from gpupool_sdk.config import LeaseTiming
-from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.errors import ConfigError, NodeClaimedError
 from gpupool_sdk.inventory import simulated_backends
 from gpupool_sdk.resources import GpuHealth, GpuInfo, NodeInfo
 from gpupool_sdk.store.codec import decode
@@ -76,19 +80,73 @@ def test_refresh_rewrites_only_changed_gpus(store, agents):
     assert not g.healthy and g.health.reasons == ("test",)
 
 
+def _claim(store, lease: int, host: str, pid: int) -> None:
+    store.put(store.keys.node("n"), NodeInfo("n", host, pid, 9, "simulated", 0.0), lease=lease)
+    store.put(store.keys.gpu("n", "GPU-gone"), b"{}", lease=lease)
+    store.put(store.keys.gpu("n", "GPU-sim-n-0"), b"garbage", lease=lease)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no process has it (pids are not reused this fast)
+
+
 def test_register_takes_over_and_cleans_a_previous_incarnation(store, agents, caplog):
+    # The previous agent of this host was killed and restarted within its TTL: its lease is still
+    # alive, but its process is gone, so the new agent takes the node over quietly.
     old_lease = store.grant_lease(30)
-    store.put(store.keys.node("n"), NodeInfo("n", "old-host", 1, 9, "simulated", 0.0), lease=old_lease)
-    store.put(store.keys.gpu("n", "GPU-gone"), b"{}", lease=old_lease)
-    store.put(store.keys.gpu("n", "GPU-sim-n-0"), b"garbage", lease=old_lease)
+    _claim(store, old_lease, socket.gethostname(), _dead_pid())
     a = make(store, agents)
     with caplog.at_level(logging.WARNING, logger="gpupool_sdk.agent.agent"):
         lease = a.start()
     keys = keys_of(store)
     assert store.keys.gpu("n", "GPU-gone") not in keys
     assert len(keys) == 5 and {kv.lease for kv in keys.values()} == {lease}
-    assert "taking it over" in caplog.text and "old-host" in caplog.text
+    assert "gone from this host" in caplog.text and "taking it over" in caplog.text
     assert store.lease_info(old_lease).keys == []  # nothing of ours stays on the old lease
+
+
+def test_an_expired_claim_is_taken_over(store, agents, caplog):
+    old_lease = store.grant_lease(30)
+    _claim(store, old_lease, "other-host", 4242)
+    store.revoke_lease(old_lease)  # its keys vanish with it; write a stale node key by hand on a dead lease
+    dead = store.grant_lease(1)
+    _claim(store, dead, "other-host", 4242)
+    wait_for(lambda: store.lease_info(dead) is None, "the 1 s lease to expire", timeout=30)
+    a = make(store, agents)
+    with caplog.at_level(logging.WARNING, logger="gpupool_sdk.agent.agent"):
+        lease = a.start()
+    assert {kv.lease for kv in keys_of(store).values()} == {lease}
+
+
+def test_a_live_agent_elsewhere_keeps_its_node(store, agents):
+    # Another host's agent holds node n under a live lease: a second agent with the same --node
+    # refuses to start, names the owner and the fixes, and writes nothing.
+    other = store.grant_lease(30)
+    _claim(store, other, "other-host", 4242)
+    before = keys_of(store)
+    a = make(store, agents)
+    with pytest.raises(NodeClaimedError, match=r"node n is already published by the agent with pid 4242 on other-host.*--take-over"):
+        a.start()
+    assert keys_of(store) == before
+    assert not a.registered
+
+
+def test_take_over_replaces_a_live_agent_which_then_stops(store, agents):
+    # Two agents in one test process: the second publishes as another host's agent would.
+    first = make(store, agents)
+    first_lease = first.start()
+    store.put(store.keys.node("n"), NodeInfo("n", "host-a", 4242, 4, "simulated", 0.0), lease=first_lease)
+    second = make(store, agents, take_over=True)
+    info = second.backend.node_info
+    second.backend.node_info = lambda: dataclasses.replace(info(), hostname="host-b", agent_pid=4343)  # type: ignore[method-assign]
+    lease = second.start()
+    assert {kv.lease for kv in keys_of(store).values()} == {lease}
+    # The first agent notices at its next refresh and stops instead of rewriting the node.
+    with pytest.raises(NodeClaimedError, match="node n was taken over by the agent with pid 4343 on host-b"):
+        wait_for(lambda: first.tick() and False, "the first agent to notice", timeout=30)
+    assert {kv.lease for kv in keys_of(store).values()} == {lease}
 
 
 def test_stop_revokes(store, agents):

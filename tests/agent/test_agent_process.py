@@ -270,3 +270,25 @@ def test_survives_an_etcd_outage_and_registers_again(tmp_path, keyspace, start_a
     finally:
         store.close()
         server.stop()
+
+
+def test_a_second_agent_with_the_same_node_refuses_then_takes_over_with_the_flag(start_agent, store):
+    first = start_agent("--node", "dup", "--simulate", "2xT4", "--ttl", "10")
+    keys = wait_for(lambda: len(node_keys(store, "dup")) == 3 and node_keys(store, "dup"), "keys", proc=first.proc)
+    first_lease = next(iter(keys.values())).lease
+
+    # Same host, but the first agent is alive: the second refuses, exits 1, names the owner and the fixes.
+    second = start_agent("--node", "dup", "--simulate", "2xT4", "--ttl", "10")
+    assert second.proc.wait(timeout=DEADLINE_S) == 1
+    assert f"node dup is already published by the agent with pid {first.proc.pid}" in second.log()
+    assert "another --node" in second.log() and "--take-over" in second.log()
+    assert {kv.lease for kv in node_keys(store, "dup").values()} == {first_lease}
+
+    # --take-over replaces it; the first agent stops at its next refresh (exit 1) instead of fighting.
+    third = start_agent("--node", "dup", "--simulate", "2xT4", "--ttl", "10", "--take-over")
+    assert first.proc.wait(timeout=DEADLINE_S) == 1
+    assert f"node dup was taken over by the agent with pid {third.proc.pid}" in first.log()
+    leases = {kv.lease for kv in node_keys(store, "dup").values()}
+    assert len(leases) == 1 and leases != {first_lease}
+    assert third.proc.poll() is None
+    assert third.signal(signal.SIGTERM) == 0
