@@ -48,6 +48,17 @@ class StoreUnavailableError(StoreError):
     """etcd cannot be reached (connection refused, timeout, no leader)."""
 
 
+class StoreTLSError(StoreUnavailableError):
+    """The TLS handshake with etcd failed: the server's certificate is not trusted by the CA given,
+    etcd refused the client certificate (or required one), the certificate does not name the host,
+    or one side speaks TLS and the other plaintext. Retrying does not help; the message says what to fix."""
+
+
+class StoreAuthError(StoreError):
+    """etcd refused the credentials (wrong user or password, or none given while auth is enabled),
+    or the user lacks permission on the pool's keys; the message names the setting to fix."""
+
+
 class LeaseLostError(StoreError):
     """The etcd lease expired or was revoked: everything attached to it is gone."""
 

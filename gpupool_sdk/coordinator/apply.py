@@ -10,7 +10,8 @@ What each decision writes (see ``docs/architecture.md``, "The lease protocol"):
   job's lease, in one transaction that also checks the spec key is the same incarnation.
 * ``Queue`` / ``Reject``: status PENDING / REJECTED with the reason, only when state or reason
   changed (no write storms on every cycle).
-* ``Preempt`` / ``Resize``: ``directives/{job}`` with the next seq, and status PREEMPTING.
+* ``Preempt`` / ``Resize``: ``directives/{job}`` with the next seq, and status PREEMPTING; the
+  target names ``for_job`` (and, for a shrink, ``keep``: the GPUs the job keeps) when the decision does.
 * ``Balloon``: ``directives/{job}`` with the per-slice memory target (the allocations shrink
   when the job acks: ``Shrink``).
 * ``Deflate``: the allocations back to full size and ``directives/{job}`` telling the job, in one
@@ -283,9 +284,12 @@ def plan(
         if view.directive is not None and view.directive.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
             return Plan(job, kind)  # one preemption at a time; its deadline stands
         target: dict[str, Any] = {"gpus": decision.gpus} if isinstance(decision, st.Resize) else {}
-        if isinstance(decision, st.Preempt) and decision.for_job:
+        if decision.for_job:
             # The scheduler holds the room being freed for this job until the ack (protocol.freeing_for).
             target["for_job"] = decision.for_job
+        if isinstance(decision, st.Resize) and decision.keep:
+            # A shrink for for_job: the GPUs the job keeps, held for it and re-granted at the ack.
+            target["keep"] = list(decision.keep)
         directive = Directive(
             kind=dkind,
             seq=_next_seq(state, job),

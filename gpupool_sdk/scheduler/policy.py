@@ -9,8 +9,9 @@ capacity ledger with reserve / un-reserve):
 4. reject: specs no GPU of the pool could ever satisfy -> Reject (:mod:`.reject`);
 5. ordering: pending jobs by starvation, effective priority, LAS queue, FIFO (:mod:`.ordering`);
 6. per pending job: filter + score (:mod:`.filter`, :mod:`.placement`) -> reserve -> Grant;
-   else wait for capacity already being freed, else Balloon, else Preempt lower-priority jobs
-   or, with LAS, same-level jobs in a higher attained-service queue (:mod:`.preempt`),
+   else wait for capacity already being freed, else Balloon, else shrink elastic victims (a
+   Resize down toward ``min_gpus`` for the job) or Preempt lower-priority jobs or, with LAS,
+   same-level jobs in a higher attained-service queue (:mod:`.preempt`),
    else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
 7. when nothing is left waiting: Deflate ballooned jobs;
 8. when every queued job was considered in full (none cut by ``max_decisions`` or
@@ -24,11 +25,12 @@ Every pending job gets exactly one Grant, Queue or Reject per cycle.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from gpupool_sdk.resources import DirectiveKind, JobState, QoS
 from gpupool_sdk.resources.units import format_size
-from gpupool_sdk.scheduler.filter import SliceRequest, predicted_peak, request_for, unschedulable_reason
+from gpupool_sdk.scheduler.filter import SliceRequest, fits, predicted_peak, request_for, unschedulable_reason
 from gpupool_sdk.scheduler.health import health_preemptions
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.ordering import effective_priority, las_rank, order_pending, waited_s
@@ -43,12 +45,19 @@ from gpupool_sdk.scheduler.preempt import (
     plan_balloon,
     plan_from_freeing,
     plan_preemption,
+    plan_shrink,
     preempt_bound,
     running_priority,
     victim_key,
     victim_pool,
 )
-from gpupool_sdk.scheduler.protocol import freeing_for, handle_protocol, preempt_deadline, target_int
+from gpupool_sdk.scheduler.protocol import (
+    freeing_for,
+    handle_protocol,
+    kept_gpus,
+    preempt_deadline,
+    target_int,
+)
 from gpupool_sdk.scheduler.reject import PoolClass, reject_reason, summarize
 from gpupool_sdk.scheduler.types import (
     Balloon,
@@ -151,6 +160,10 @@ class _Cycle:
     no_preempt: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
     preempting: dict[str, str | None] = field(default_factory=dict)
     ballooning: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    #: elastic jobs shrinking for a pending job: (ledger indices of the GPUs they keep, that job).
+    shrinking: dict[str, tuple[frozenset[int], str | None]] = field(default_factory=dict)
+    #: jobs re-placed after a shrink: the GPUs they kept (they are re-granted exactly those).
+    pinned: dict[str, list[int]] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)
     attempts: int = 0
     freeing_by_job: dict[str | None, list[str]] | None = None
@@ -221,6 +234,8 @@ class Scheduler:
                 continue
             if d.kind is DirectiveKind.PREEMPT:
                 cyc.preempting[name] = freeing_for(view)
+            elif d.kind is DirectiveKind.RESIZE and "keep" in d.target:
+                cyc.shrinking[name] = (frozenset(kept_gpus(d, ledger.index_of)), freeing_for(view))
             elif d.kind is DirectiveKind.BALLOON and "memory_bytes" in d.target:
                 cyc.ballooning[name] = (target_int(d, "memory_bytes", view.spec.memory_bytes), freeing_for(view))
 
@@ -235,6 +250,7 @@ class Scheduler:
                 pending.append((view, None))
 
         # A resize holds the room it grows into, from its directive to its re-placement.
+        cyc.pinned = proto.pinned
         if snapshot.gpus:
             self._hold_resizes(cyc, proto.busy, {v.name: c for v, c in pending if c is not None})
 
@@ -289,7 +305,9 @@ class Scheduler:
         shape = req.shape
         cached = None if view.name in ledger.blocked_jobs else cyc.fail_cache.get(shape)
         gpus: list[int] | None = None
-        if cached is None or cached[0] != ledger.frees:
+        if view.name in cyc.pinned:
+            gpus = self._pinned(cyc, req, cyc.pinned[view.name])
+        if gpus is None and (cached is None or cached[0] != ledger.frees):
             gpus = place(ledger, req)
         if gpus is not None:
             self._grant(cyc, view, req, gpus)
@@ -297,7 +315,7 @@ class Scheduler:
         prio = effective_priority(view, now, config)
 
         # 1. Capacity already being freed for this job (or for nobody in particular): wait for it.
-        if cyc.preempting or cyc.ballooning:
+        if cyc.preempting or cyc.ballooning or cyc.shrinking:
             plan = self._plan_waiting(cyc, view, req)
             if plan is not None:
                 cyc.claimed.update(plan.jobs)
@@ -340,12 +358,31 @@ class Scheduler:
                 reason += f"; {_count(len(hold), 'GPU')} reserved for it (others backfill elsewhere)"
         self._queue(cyc, view, reason)
 
+    def _pinned(self, cyc: _Cycle, req: SliceRequest, keep: list[int]) -> list[int] | None:
+        """The GPUs a shrunk job kept, when each still takes a slice of ``req`` (else None: it is
+        placed like any job)."""
+        ledger = cyc.ledger
+        avoid: set[str] = set()
+        if req.anti_affinity is not None:
+            avoid = {n for n, c in ledger.groups.get(req.anti_affinity, {}).items() if c > 0}
+        ok = [
+            i
+            for i in keep
+            if ledger.class_of(i) is not None
+            and ledger.blocked.get(i, req.job) == req.job
+            and ledger.nodes[i] not in avoid
+            and fits(ledger.loads[i], req, ledger.ratio)
+        ][: req.count]
+        return ok if len(ok) >= req.min_count else None
+
     def _plan_waiting(self, cyc: _Cycle, view: JobView, req: SliceRequest) -> Plan | None:
         if cyc.freeing_by_job is None:
             by_job: dict[str | None, list[str]] = {}
             for n, who in cyc.preempting.items():
                 by_job.setdefault(who, []).append(n)
             for n, (_t, who) in cyc.ballooning.items():
+                by_job.setdefault(who, []).append(n)
+            for n, (_k, who) in cyc.shrinking.items():
                 by_job.setdefault(who, []).append(n)
             cyc.freeing_by_job = by_job
         names = [
@@ -355,7 +392,8 @@ class Scheduler:
             return None
         pre = sorted(n for n in names if n in cyc.preempting)
         bal = {n: cyc.ballooning[n][0] for n in names if n in cyc.ballooning and n not in cyc.preempting}
-        return plan_from_freeing(cyc.ledger, req, pre, bal)
+        shr = {n: cyc.shrinking[n][0] for n in names if n in cyc.shrinking}
+        return plan_from_freeing(cyc.ledger, req, pre, bal, shr)
 
     def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
         jobs = cyc.snapshot.jobs
@@ -405,9 +443,13 @@ class Scheduler:
                         standing[v.name] = st
             cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, now, config)) for v in pool], None, standing)
         if not cyc.victims or cyc.victims.hopeless(req, preempt_bound(prio), las):
-            return False
+            return False  # also answers the shrink search: a shrink frees less than a preemption
+        shrink = self._shrink_plan(cyc, req, prio, las)
         groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy, las)
         plan = plan_preemption(cyc.ledger, req, (), groups=groups)
+        if shrink is not None and (plan is None or self._standing(cyc, shrink.jobs) <= self._standing(cyc, plan.jobs)):
+            self._shrink(cyc, view, shrink, prio)
+            return True
         if plan is None:
             return False
         mine = f"priority {view.spec.priority}, effective {prio:.1f}"
@@ -435,6 +477,64 @@ class Scheduler:
         cyc.ledger.block(plan.gpus, view.name)
         self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'preemption')} of {', '.join(plan.jobs)}")
         return True
+
+    def _shrink_plan(
+        self, cyc: _Cycle, req: SliceRequest, prio: float, las: tuple[int, int] | None
+    ) -> Plan | None:
+        """The shrink plan for ``req`` among the victims of this bound that are elastic above
+        their ``min_gpus`` (in victim order), or None."""
+        assert cyc.victims is not None
+        jobs = cyc.snapshot.jobs
+        holdings = cyc.ledger.holdings
+        shrinkable: list[tuple[str, int]] = []
+        for name in cyc.victims.candidates_under(float(math.floor(preempt_bound(prio))), las):
+            spec = jobs[name].spec
+            if not spec.is_elastic or name in cyc.busy:
+                continue
+            budget = len(holdings.get(name, ())) - (spec.min_gpus or spec.gpus)
+            if budget > 0:
+                shrinkable.append((name, budget))
+        return plan_shrink(cyc.ledger, req, shrinkable) if shrinkable else None
+
+    def _standing(self, cyc: _Cycle, names: tuple[str, ...]) -> tuple[int, int, int]:
+        """How protected the most protected of ``names`` is as a victim (class, priority, LAS
+        queue: the first three fields of :func:`victim_key`; work lost left out)."""
+        now = cyc.snapshot.now
+        jobs = cyc.snapshot.jobs
+        keys = [victim_key(jobs[n], now, cyc.config)[:3] for n in names]
+        return max(keys)
+
+    def _shrink(self, cyc: _Cycle, view: JobView, plan: Plan, prio: float) -> None:
+        """Resize the plan's elastic victims down for ``view``: each gives up the GPUs of
+        ``plan.drops`` and keeps the others (named in the Resize, re-granted at its ack)."""
+        now = cyc.snapshot.now
+        config = cyc.config
+        ledger = cyc.ledger
+        mine = f"priority {view.spec.priority}, effective {prio:.1f}"
+        if config.las_threshold_gpu_s:
+            mine += f", LAS queue {las_rank(view, now, config)}"
+        for name, drop in zip(plan.jobs, plan.drops, strict=True):
+            victim = cyc.snapshot.jobs[name]
+            held = [h.gpu for h in ledger.holdings.get(name, ())]
+            keep = [i for i in held if i not in drop]
+            cyc.decisions.append(
+                Resize(
+                    name,
+                    len(keep),
+                    f"shrink from {len(held)} to {len(keep)} GPU(s) (min {victim.spec.min_gpus}) "
+                    f"to make room for {view.name} ({mine})",
+                    deadline=preempt_deadline(victim, now, config),
+                    for_job=view.name,
+                    keep=tuple(ledger.gpus[i].uuid for i in keep),
+                )
+            )
+            cyc.busy.add(name)
+            cyc.claimed.add(name)
+            cyc.shrinking[name] = (frozenset(keep), view.name)
+            cyc.freeing_by_job = None
+            cyc.actions += 1
+        ledger.block(plan.gpus, view.name)
+        self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'shrink')} of {', '.join(plan.jobs)}")
 
     def _grant(self, cyc: _Cycle, view: JobView, req: SliceRequest, gpus: list[int]) -> None:
         ledger = cyc.ledger
@@ -545,6 +645,8 @@ class Scheduler:
         frees = ledger.frees
         for name in sorted(busy | requeued.keys()):
             view = jobs[name]
+            if name in cyc.pinned:
+                continue  # a shrink: the protocol stage holds the GPUs it keeps
             if name in requeued:
                 req = request_for(view, config, requeued[name])
                 gpus = place(ledger, req)

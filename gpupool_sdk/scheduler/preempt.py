@@ -1,11 +1,14 @@
 """Preempt stage (post-filter): make room for a pending job that does not fit.
 
-Three tools, tried in this order by the policy:
+Four tools, tried in this order by the policy:
 
 1. :func:`plan_from_freeing`: capacity already being freed for the job (victims still
-   checkpointing, balloons in flight) is enough: wait, preempt nobody else.
+   checkpointing, shrinks and balloons in flight) is enough: wait, preempt nobody else.
 2. :func:`plan_balloon`: shrinking shared jobs to their predicted peak frees enough memory.
-3. :func:`plan_preemption`: a minimal set of lower-priority victims.
+3. :func:`plan_shrink`: elastic victims giving up some of their GPUs (down to ``min_gpus``) make
+   enough room; preferred to 4 when its victims are no more protected (a shrink costs the victim a
+   checkpoint and a restart on fewer GPUs, not its place: it keeps running).
+4. :func:`plan_preemption`: a minimal set of lower-priority victims, preempted whole.
 
 Victims are GRANTED jobs without a directive in flight, whose priority is at least one whole
 level below the pending job's effective priority (``priority <= floor(effective) - 1``), and
@@ -48,11 +51,13 @@ class Plan:
         jobs: victims (preemption), ballooned jobs, or the in-flight jobs waited for.
         gpus: ledger GPU indices of the placement the plan makes possible.
         targets: per-slice byte targets of ballooned jobs (balloon plans only).
+        drops: per shrinking job, the ledger indices of the GPUs it gives up (shrink plans only).
     """
 
     jobs: tuple[str, ...]
     gpus: tuple[int, ...]
     targets: tuple[int, ...] = ()
+    drops: tuple[tuple[int, ...], ...] = ()
 
 
 def work_lost_s(view: JobView, now: float) -> float:
@@ -215,6 +220,90 @@ def plan_preemption(
             if name in ledger.holdings:
                 continue
             ledger.restore(name, held)
+        ledger.frees = frees
+
+
+def plan_shrink(ledger: Ledger, req: SliceRequest, victims: Sequence[tuple[str, int]]) -> Plan | None:
+    """Elastic victims giving up some GPUs (each at most its budget) so that ``req`` fits; or None.
+
+    ``victims``: ``(job name, budget)`` in victim order, the budget being how many GPUs the job
+    may give up (``have - min_gpus``). The search is :func:`plan_preemption`'s, with one victim's
+    change on a GPU being the removal of its slice **there** instead of the removal of the whole
+    job: GPUs come cheapest first (the shortest prefix of the victims on the GPU that lets one
+    slice fit), are freed in doubling batches until ``req`` can be placed (a GPU is skipped when a
+    victim on it has no budget left), and the drops are then pruned to the GPUs of the placement,
+    most protected victims spared first. So a victim gives up exactly GPUs the pending job is
+    placed on (on its node or NVLink island when it packs), never more than its budget, and keeps
+    the rest. The ledger is restored before returning.
+    """
+    budget = dict(victims)
+    # Walked in full before anything is dropped: the walk reads the ledger's loads.
+    groups_it = iter(list(_completion_groups(ledger, req, [n for n, _ in victims], None)))
+    original: dict[str, list[Holding]] = {}
+    lost: dict[str, set[int]] = {}
+    frees = ledger.frees
+
+    def apply(name: str) -> None:
+        gone = lost[name]
+        ledger.replace(name, [h for h in original[name] if h.gpu not in gone])
+
+    batch = max(1, req.min_count)
+    try:
+        while True:
+            got = list(islice(groups_it, batch))
+            if not got:
+                return None
+            for gpu, names in got:
+                if any(gpu not in lost.get(n, ()) and len(lost.get(n, ())) >= budget[n] for n in names):
+                    continue  # a victim there may not give up another GPU
+                for n in names:
+                    if n not in original:
+                        original[n] = list(ledger.holdings.get(n, ()))
+                    lost.setdefault(n, set()).add(gpu)
+                    apply(n)
+            batch *= 2
+            gpus = place(ledger, req)
+            if gpus is not None:
+                break
+        # Keep only drops on the placement, then spare the most protected victims one GPU at a time.
+        used = set(gpus)
+        for n in lost:
+            lost[n] &= used
+            apply(n)
+        for n in reversed([n for n, _ in victims if lost.get(n)]):
+            for g in sorted(lost[n], reverse=True):
+                lost[n].discard(g)
+                apply(n)
+                if place(ledger, req) is None:
+                    lost[n].add(g)
+                    apply(n)
+        # Give back drops the final placement does not use (sparing one can move the placement).
+        final = place(ledger, req)
+        for _ in range(len(ledger.gpus) + 1):
+            if final is None:  # cannot happen: pruning only keeps what leaves a placement
+                return None
+            on = set(final)
+            off = [n for n in lost if lost[n] - on]
+            if not off:
+                break
+            saved = {n: set(lost[n]) for n in off}
+            for n in off:
+                lost[n] &= on
+                apply(n)
+            again = place(ledger, req)
+            if again is None:
+                for n in off:
+                    lost[n] = saved[n]
+                    apply(n)
+                break
+            final = again
+        order = [n for n, _ in victims if lost.get(n)]
+        if final is None or not order:
+            return None
+        return Plan(tuple(order), tuple(final), drops=tuple(tuple(sorted(lost[n])) for n in order))
+    finally:
+        for name, held in original.items():
+            ledger.replace(name, held)
         ledger.frees = frees
 
 
@@ -611,29 +700,44 @@ def plan_balloon(
 
 
 def plan_from_freeing(
-    ledger: Ledger, req: SliceRequest, preempting: Sequence[str], ballooning: dict[str, int]
+    ledger: Ledger,
+    req: SliceRequest,
+    preempting: Sequence[str],
+    ballooning: dict[str, int],
+    shrinking: Mapping[str, Collection[int]] | None = None,
 ) -> Plan | None:
-    """Would ``req`` fit once the in-flight preemptions and balloons complete? Only the needed ones are named."""
+    """Would ``req`` fit once the in-flight preemptions, shrinks and balloons complete? Only the
+    needed ones are named. ``shrinking``: elastic jobs resizing down for someone, with the ledger
+    indices of the GPUs they keep (their other slices are being freed)."""
+    shrinking = shrinking or {}
     pre = _touching(ledger, req, list(preempting))
     bal = _touching(ledger, req, sorted(ballooning))
-    if not pre and not bal:
+    shr = _touching(ledger, req, sorted(shrinking))
+    if not pre and not bal and not shr:
         return None
     removed: list[tuple[str, list[Holding]]] = []
     shrunk: dict[str, list[Holding]] = {}
+    resized: dict[str, list[Holding]] = {}
     frees = ledger.frees
     try:
         for name in pre:
             removed.append((name, ledger.unreserve(name)))
         for name in bal:
             shrunk[name] = ledger.set_quota(name, ballooning[name], ballooning[name])
+        for name in shr:
+            held = resized[name] = list(ledger.holdings.get(name, ()))
+            ledger.replace(name, [h for h in held if h.gpu in shrinking[name]])
         gpus = place(ledger, req)
         if gpus is None:
             return None
         used = set(gpus)
         needed = [n for n, held in removed if any(h.gpu in used for h in held)]
         needed += [n for n in bal if any(h.gpu in used for h in shrunk[n])]
+        needed += [n for n in shr if any(h.gpu in used and h.gpu not in shrinking[n] for h in resized[n])]
         return Plan(tuple(needed), tuple(gpus))
     finally:
+        for name, held in resized.items():
+            ledger.replace(name, held)
         for name, held in shrunk.items():
             ledger.replace(name, held)
         for name, held in reversed(removed):

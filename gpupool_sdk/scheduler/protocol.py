@@ -5,7 +5,10 @@ For each job with an outstanding directive:
 * ``preempt`` acked (``ack.seq == directive.seq``) -> :class:`Release` to SUSPENDED; its slices
   are free for this cycle, held for the job named in ``directive.target["for_job"]`` if any.
 * ``resize`` acked -> :class:`Release` to PENDING; its slices are free and the job is placed
-  again in this same cycle with the target slice count (it restarts from its checkpoint).
+  again in this same cycle with the target slice count (it restarts from its checkpoint). A
+  shrink for a pending job (``target["for_job"]`` and ``target["keep"]``, the UUIDs of the GPUs
+  it keeps) holds the kept GPUs for the job, which is re-granted exactly those, and the others
+  for ``for_job``.
 * ``balloon`` acked -> :class:`Shrink` to the larger of the target and the bytes reached (never above the current quota);
   an ack that says it could not comply (``ok=False``) -> :class:`Preempt`.
 * ``preempt`` / ``resize`` past the deadline without the ack -> :class:`Revoke` (forced: the
@@ -16,6 +19,7 @@ For each job with an outstanding directive:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpupool_sdk.resources import Directive, DirectiveKind, JobState, QoS
@@ -43,12 +47,15 @@ class ProtocolOutcome:
         freed: jobs whose slices were freed in the ledger (released or revoked).
         requeued: resized jobs to place again this cycle, with their target slice count.
         busy: jobs that still have a directive in flight (no new directive this cycle).
+        pinned: requeued jobs that shrank for another job, with the ledger indices of the GPUs
+            they keep (held for them this cycle; they are re-granted exactly those).
     """
 
     decisions: list[Decision] = field(default_factory=list)
     freed: set[str] = field(default_factory=set)
     requeued: dict[str, int] = field(default_factory=dict)
     busy: set[str] = field(default_factory=set)
+    pinned: dict[str, list[int]] = field(default_factory=dict)
 
 
 def preempt_deadline(view: JobView, now: float, config: SchedulerConfig) -> float:
@@ -71,7 +78,7 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
             if acked:
                 assert view.ack is not None
                 where = f" at step {view.ack.step}" + (f", checkpoint {view.ack.checkpoint}" if view.ack.checkpoint else "")
-                _free_for(snapshot, ledger, view, out)
+                _free_for(snapshot, ledger, view, out, acked=True)
                 if d.kind is DirectiveKind.RESIZE:
                     target = target_int(d, "gpus", view.spec.gpus)
                     out.requeued[name] = target
@@ -81,7 +88,7 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                 else:
                     out.decisions.append(Release(name, JobState.SUSPENDED, f"preempted{where}: {d.reason}".rstrip(": ")))
             elif now > d.deadline:
-                _free_for(snapshot, ledger, view, out)
+                _free_for(snapshot, ledger, view, out, acked=False)
                 out.decisions.append(
                     Revoke(name, f"no ack to {d.kind.value} directive seq {d.seq} by its deadline; lease revoked")
                 )
@@ -143,14 +150,37 @@ def target_int(directive: Directive, key: str, default: int) -> int:
     return int(value)
 
 
-def _free_for(snapshot: ClusterSnapshot, ledger: Ledger, view: JobView, out: ProtocolOutcome) -> None:
+def _free_for(snapshot: ClusterSnapshot, ledger: Ledger, view: JobView, out: ProtocolOutcome, acked: bool) -> None:
     """Free ``view``'s slices; if they were freed for a pending job, hold them for it this cycle
-    (otherwise an older job could take them and the preemption would have to start again)."""
+    (otherwise an older job could take them and the preemption would have to start again).
+
+    An acknowledged shrink keeps its kept GPUs: they are held for the shrunk job itself (it is
+    re-granted exactly those in this cycle), only the others for the pending job."""
     held = ledger.unreserve(view.name)
     out.freed.add(view.name)
+    keep: list[int] = []
+    if acked and view.directive is not None and view.directive.kind is DirectiveKind.RESIZE:
+        keep = kept_gpus(view.directive, ledger.index_of)
+        if keep:
+            ledger.block(keep, view.name)
+            out.pinned[view.name] = keep
     who = _for_job(view)
     if who is not None and who in snapshot.jobs and snapshot.jobs[who].state is JobState.PENDING:
-        ledger.block((h.gpu for h in held), who)
+        ledger.block((h.gpu for h in held if h.gpu not in keep), who)
+
+
+def kept_gpus(directive: Directive, index_of: Mapping[str, int]) -> list[int]:
+    """Ledger indices of the GPUs a shrinking resize keeps (``target["keep"]``: GPU UUIDs);
+    UUIDs no longer published and malformed entries (hand-edited keys) are left out."""
+    raw = directive.target.get("keep")
+    if not isinstance(raw, (list, tuple)):
+        return []
+    out = []
+    for uuid in raw:
+        i = index_of.get(uuid) if isinstance(uuid, str) else None
+        if i is not None and i not in out:
+            out.append(i)
+    return out
 
 
 def _for_job(view: JobView) -> str | None:
@@ -162,7 +192,7 @@ def _for_job(view: JobView) -> str | None:
 
 
 def freeing_for(view: JobView) -> str | None:
-    """The pending job a PREEMPTING or ballooning ``view`` is making room for, if its directive says."""
+    """The pending job a PREEMPTING, shrinking or ballooning ``view`` is making room for, if its directive says."""
     return _for_job(view)
 
 

@@ -229,12 +229,20 @@ class Preempt:
 
 @dataclass(frozen=True)
 class Resize:
-    """Ask an elastic ``job`` to restart with ``gpus`` slices (checkpoint first)."""
+    """Ask an elastic ``job`` to restart with ``gpus`` slices (checkpoint first).
+
+    A resize that shrinks a job to make room for a pending one (instead of preempting it whole)
+    names that job in ``for_job`` and the UUIDs of the GPUs the shrunk job keeps in ``keep``: at
+    the ack, the kept GPUs are held for it and it is re-granted exactly those; the others are held
+    for ``for_job``. A growing resize has neither.
+    """
 
     job: str
     gpus: int
     reason: str
     deadline: float
+    for_job: str | None = None
+    keep: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ would, to its own model:
   acks ``checkpoint_s`` later, the policy answers the ack with ``Release`` to PENDING and grants
   it again at the new count (the :class:`~gpupool_sdk.scheduler.policy.Scheduler` does both in
   the same cycle), and the job pays ``restart_s`` of extra work at that grant: a rescale costs
-  what a preemption costs (10 s + 20 s = 30 s by default, Pollux's figure);
+  what a preemption costs (10 s + 20 s = 30 s by default, Pollux's figure). A shrink that makes
+  room for a pending job (``Resize.for_job``, ``Resize.keep``) is applied the same way: the
+  directive names both, and the scheduler re-grants the job the GPUs it kept;
 * ``Queue`` changes nothing.
 
 Elastic jobs: a job may run on ``k`` slices with ``min <= k <= max``, where the bounds come from
@@ -195,7 +197,7 @@ class SimJob:
         "rate", "last", "gpus", "shares", "mems", "balloon_factor", "submit", "first_start", "end",
         "queued_since", "pending_s", "run_s", "last_run_s", "run_start", "attained_gpu_s", "preemptions",
         "failures", "restarts", "version", "granted_at", "directive_seq", "directive_kind", "directive_deadline",
-        "directive_target", "directive_for", "acked", "ack_reached", "peak_known", "policy_data", "reject_reason",
+        "directive_target", "directive_for", "directive_keep", "acked", "ack_reached", "peak_known", "policy_data", "reject_reason",
         "checkpoint_s", "restart_s", "restart_due", "scale", "resizes",
     )
 
@@ -235,6 +237,8 @@ class SimJob:
         self.directive_deadline = 0.0
         self.directive_target = 0
         self.directive_for: str | None = None
+        #: GPU UUIDs a shrinking resize keeps (its ``Resize.keep``), written into its directive's target.
+        self.directive_keep: tuple[str, ...] = ()
         self.acked = False
         self.ack_reached: int | None = None
         self.peak_known = False
@@ -697,6 +701,7 @@ class Simulator:
         job.directive_kind = "preempt"
         job.directive_deadline = deadline
         job.directive_for = for_job
+        job.directive_keep = ()
         job.acked = False
         job.version += 1
         self._changed(job)
@@ -721,7 +726,9 @@ class Simulator:
         job.directive_kind = "resize"
         job.directive_deadline = d.deadline
         job.directive_target = d.gpus
-        job.directive_for = None
+        # A shrink for a pending job: the scheduler holds the freed GPUs for it and re-grants the kept ones.
+        job.directive_for = d.for_job
+        job.directive_keep = d.keep
         job.acked = False
         job.version += 1
         self._changed(job)

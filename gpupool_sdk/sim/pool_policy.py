@@ -355,6 +355,8 @@ class PoolPolicy:
                 target["memory_bytes"] = job.directive_target
             elif kind is DirectiveKind.RESIZE:
                 target["gpus"] = job.directive_target
+                if job.directive_keep:
+                    target["keep"] = list(job.directive_keep)
             directive = Directive(kind=kind, seq=job.directive_seq, deadline=job.directive_deadline, target=target)
             if job.acked:
                 ack = Ack(seq=job.directive_seq, reached_bytes=job.ack_reached if kind is DirectiveKind.BALLOON else None)

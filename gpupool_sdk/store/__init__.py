@@ -5,7 +5,8 @@
 * :mod:`~gpupool_sdk.store.etcd_store`: :class:`EtcdStore`, reads, fenced writes, leases.
 * :mod:`~gpupool_sdk.store.lease`: :class:`LeaseKeeper`, keepalive with a timely step-down.
 * :mod:`~gpupool_sdk.store.watch`: :class:`Watcher`, prefix watches that survive reconnects and compaction.
-* :mod:`~gpupool_sdk.store.launcher`: an embedded etcd on loopback.
+* :mod:`~gpupool_sdk.store.security`: :class:`EtcdSecurity`, TLS and etcd-auth settings (no gRPC).
+* :mod:`~gpupool_sdk.store.launcher`: an embedded etcd on loopback (plaintext or TLS).
 
 The names that need gRPC (``EtcdStore``, ``LeaseKeeper``, ``Watcher``, ``decode_all``) are imported
 on first access, so that a training process importing keys, records or the launcher never loads
@@ -18,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool_sdk.store.endpoints import parse_endpoints
 from gpupool_sdk.store.keyspace import Keyspace
-from gpupool_sdk.store.launcher import EtcdServer, find_etcd_binary, find_etcdctl_binary
+from gpupool_sdk.store.launcher import EtcdServer, EtcdServerTLS, find_etcd_binary, find_etcdctl_binary
 from gpupool_sdk.store.records import ResumeRecord, TelemetryRecord
+from gpupool_sdk.store.security import EtcdSecurity
 from gpupool_sdk.store.types import Compare, Delete, KeyValue, LeaseInfo, Put, WatchEvent
 
 if TYPE_CHECKING:
@@ -49,7 +51,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Compare",
     "Delete",
+    "EtcdSecurity",
     "EtcdServer",
+    "EtcdServerTLS",
     "EtcdStore",
     "KeyValue",
     "Keyspace",

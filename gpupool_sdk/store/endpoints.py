@@ -14,6 +14,9 @@ DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 def parse_endpoints(endpoints: str | Sequence[str] | None) -> tuple[str, ...]:
     """Normalise ``"h1:p1,h2:p2"`` (or a list, or None: ``$GPUPOOL_ENDPOINTS``, else ``127.0.0.1:2379``).
 
+    An ``http://`` or ``https://`` scheme is dropped here; :func:`endpoints_scheme` reads it
+    (``https://`` switches TLS on, see :mod:`gpupool_sdk.store.security`).
+
     Raises:
         ConfigError: an endpoint is not ``host:port``; names ``endpoints`` and the fix.
     """
@@ -25,10 +28,10 @@ def parse_endpoints(endpoints: str | Sequence[str] | None) -> tuple[str, ...]:
         ep = raw.strip()
         for scheme in ("http://", "https://"):
             if ep.startswith(scheme):
-                if scheme == "https://":
-                    raise ConfigError("endpoints", f"{raw!r}: TLS endpoints are not supported yet; use a plain host:port")
                 ep = ep[len(scheme) :]
         ep = ep.rstrip("/")
+        if "://" in ep:
+            raise ConfigError("endpoints", f"{raw!r}: unknown scheme; write host:port, http://host:port or https://host:port")
         if not ep:
             continue
         host, sep, port = ep.rpartition(":")
@@ -40,3 +43,18 @@ def parse_endpoints(endpoints: str | Sequence[str] | None) -> tuple[str, ...]:
     if not out:
         raise ConfigError("endpoints", f"no endpoint given; use e.g. '127.0.0.1:2379' or set {ENDPOINTS_ENV}")
     return tuple(dict.fromkeys(out))
+
+
+def endpoints_scheme(endpoints: str | Sequence[str] | None) -> str | None:
+    """``"https"`` or ``"http"`` when the endpoints are written with that scheme, None when bare ``host:port``.
+
+    Raises:
+        ConfigError: some endpoints say ``https://`` and others ``http://``.
+    """
+    if endpoints is None:
+        endpoints = os.environ.get(ENDPOINTS_ENV) or DEFAULT_ENDPOINTS
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    schemes = {ep.strip().split("://", 1)[0].lower() for ep in items if "://" in ep}
+    if len(schemes) > 1:
+        raise ConfigError("endpoints", f"{','.join(items)!r} mixes http:// and https://; one pool speaks one of them to etcd")
+    return schemes.pop() if schemes else None

@@ -26,12 +26,21 @@ from gpupool_sdk.errors import (
     GpupoolError,
     LeaseLostError,
     SchemaError,
+    StoreAuthError,
     StoreError,
+    StoreTLSError,
     StoreUnavailableError,
 )
 from gpupool_sdk.store.codec import decode
 from gpupool_sdk.store.keyspace import Keyspace
-from gpupool_sdk.store.transport import Stubs, map_grpc_error, parse_endpoints, prefix_range_end
+from gpupool_sdk.store.security import EtcdSecurity
+from gpupool_sdk.store.transport import (
+    Stubs,
+    map_grpc_error,
+    parse_endpoints,
+    prefix_range_end,
+    token_rejected,
+)
 from gpupool_sdk.store.types import Compare, Delete, KeyValue, LeaseInfo, Put, Value, WatchEvent, to_bytes
 
 log = logging.getLogger(__name__)
@@ -62,6 +71,12 @@ class EtcdStore:
             Calls go to one endpoint and move to the next when it is unreachable.
         keyspace: the pool's keys (default prefix ``/gpupool/v1`` or ``$GPUPOOL_PREFIX``).
         timeout_s: deadline of one etcd call; idempotent reads retry for up to this long in total.
+        security: TLS and etcd-auth settings; None: :meth:`EtcdSecurity.from_env`
+            (``GPUPOOL_ETCD_*``, then ``ETCDCTL_*``). ``https://`` endpoints switch TLS on.
+            Certificate files are read and checked here, so a bad path fails at once.
+
+    Raises:
+        ConfigError: bad endpoints, timeout or security settings (the message names the setting).
 
     The gRPC channel is opened on first use and belongs to the process that created the store:
     using it in a ``fork()``-ed child raises :class:`GpupoolError` (create a new store there).
@@ -76,10 +91,15 @@ class EtcdStore:
         endpoints: str | Sequence[str] | None = None,
         keyspace: Keyspace | None = None,
         timeout_s: float = 5.0,
+        security: EtcdSecurity | None = None,
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError("timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
         self.endpoints = parse_endpoints(endpoints)
+        if security is not None and not isinstance(security, EtcdSecurity):
+            raise ConfigError("security", f"expected an EtcdSecurity, got {type(security).__name__}")
+        self.security = (security if security is not None else EtcdSecurity.from_env()).for_endpoints(endpoints)
+        self._tls = self.security.load()
         self.keys = keyspace if keyspace is not None else Keyspace.from_env()
         self.timeout_s = float(timeout_s)
         self._pid = os.getpid()
@@ -105,8 +125,17 @@ class EtcdStore:
         self._check_process()
         with self._lock:
             if self._stubs is None:
-                self._stubs = Stubs.open(self.endpoints[self._current])
+                self._stubs = Stubs.open(self.endpoints[self._current], self.security, self._tls)
             return self._stubs
+
+    def connected_stubs(self, timeout_s: float | None = None) -> Stubs:
+        """The current stubs, authenticated (etcd auth token) when a user is set; for watch streams.
+
+        Raises:
+            StoreAuthError: etcd refused the credentials.
+            StoreTLSError / StoreUnavailableError: etcd could not be reached.
+        """
+        return self._call("connect", lambda s, t: s, idempotent=True, timeout_s=timeout_s)
 
     @property
     def endpoint(self) -> str:
@@ -140,9 +169,17 @@ class EtcdStore:
         def attempt() -> T:
             st = self.stubs()
             try:
+                st.authenticate(max(0.05, deadline - time.monotonic()))
                 return fn(st, max(0.05, deadline - time.monotonic()))
             except grpc.RpcError as exc:
-                err = map_grpc_error(exc, op, st.endpoint)
+                err = map_grpc_error(exc, op, st.endpoint, self.security)
+                if token_rejected(exc) and st.token:
+                    # etcd checks the token before applying anything: safe to retry with a new one.
+                    st.forget_token()
+                    errors.append(str(err))
+                    raise _Retry(err) from None
+                if isinstance(err, (StoreTLSError, StoreAuthError)):
+                    raise err from None  # a settings problem: retrying cannot help
                 if isinstance(err, StoreUnavailableError):
                     errors.append(str(err))
                     self._failover(st)
@@ -377,13 +414,13 @@ class EtcdStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"EtcdStore(endpoints={','.join(self.endpoints)!r}, prefix={self.keys.prefix!r})"
+        return f"EtcdStore(endpoints={','.join(self.endpoints)!r}, prefix={self.keys.prefix!r}, {self.security.summary()})"
 
 
 class _Retry(Exception):
     """Internal: an unavailability worth retrying (carries the typed error to raise in the end)."""
 
-    def __init__(self, error: StoreUnavailableError) -> None:
+    def __init__(self, error: StoreError) -> None:
         super().__init__(str(error))
         self.error = error
 

@@ -2,7 +2,9 @@
 
 Used by ``gpupool etcd``, by ``gpupool demo`` and by the test harness. Nothing here speaks gRPC:
 health is read from etcd's plain HTTP ``/health`` endpoint, so the launcher is safe to use
-before and after ``fork()``.
+before and after ``fork()``. With :class:`EtcdServerTLS` the client URL is ``https://`` (and
+requires client certificates when a trusted CA is given); ``/health`` is then read from a
+plaintext metrics listener on loopback (``--listen-metrics-urls``), which needs no certificate.
 
 Example:
     >>> with EtcdServer() as etcd:              # doctest: +SKIP
@@ -27,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -135,6 +138,42 @@ class EtcdStartError(GpupoolError):
     """The etcd process exited or did not become healthy in time; the message holds its log tail."""
 
 
+@dataclass(frozen=True)
+class EtcdServerTLS:
+    """Certificate files that make an :class:`EtcdServer` serve its clients over TLS.
+
+    Args:
+        cert_file: the server certificate (PEM); its subjectAltName must list the listen host.
+        key_file: its private key.
+        trusted_ca_file: CA that signs client certificates; when set, etcd runs with
+            ``--client-cert-auth`` and refuses clients without such a certificate (mutual TLS).
+
+    Raises:
+        ConfigError: a file does not exist; names the field.
+    """
+
+    cert_file: str
+    key_file: str
+    trusted_ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "trusted_ca_file"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = os.fspath(value)
+            object.__setattr__(self, name, value)
+            if not Path(value).is_file():
+                raise ConfigError(name, f"{value!r} is not a file; give the PEM file etcd should use")
+
+    def args(self) -> list[str]:
+        """etcd's flags for these files."""
+        out = ["--cert-file", self.cert_file, "--key-file", self.key_file]
+        if self.trusted_ca_file:
+            out += ["--trusted-ca-file", self.trusted_ca_file, "--client-cert-auth"]
+        return out
+
+
 class EtcdServer:
     """A real single-member etcd on loopback, started as a child process.
 
@@ -148,6 +187,7 @@ class EtcdServer:
         host: listen address, default ``127.0.0.1``.
         die_with_parent: on Linux, etcd is sent SIGTERM when the thread that started it exits,
             so a crashed parent never leaves an orphan. Start it from a long-lived thread.
+        tls: serve clients over TLS with these files (None: plaintext).
 
     Example:
         >>> server = EtcdServer().start()           # doctest: +SKIP
@@ -165,6 +205,7 @@ class EtcdServer:
         extra_args: Sequence[str] = (),
         host: str = "127.0.0.1",
         die_with_parent: bool = True,
+        tls: EtcdServerTLS | None = None,
     ) -> None:
         for field, port in (("client_port", client_port), ("peer_port", peer_port)):
             if port is not None and not 0 < port < 65536:
@@ -173,6 +214,8 @@ class EtcdServer:
         self.host = host
         self.extra_args = tuple(extra_args)
         self.die_with_parent = die_with_parent
+        self.tls = tls
+        self.metrics_port = 0
         self._fixed_ports = client_port is not None
         self.client_port = client_port or 0
         self.peer_port = peer_port or 0
@@ -192,7 +235,15 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.endpoint}"
+        """``http://host:port``, or ``https://host:port`` with TLS."""
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
+    @property
+    def health_url(self) -> str:
+        """Plain HTTP URL of ``/health`` (the metrics listener when clients speak TLS)."""
+        if self.tls:
+            return f"http://{self.host}:{self.metrics_port}/health"
+        return f"{self.client_url}/health"
 
     @property
     def pid(self) -> int | None:
@@ -210,7 +261,10 @@ class EtcdServer:
     def _command(self) -> list[str]:
         assert self._binary is not None and self.data_dir is not None
         peer = f"http://{self.host}:{self.peer_port}"
-        client = f"http://{self.host}:{self.client_port}"
+        client = self.client_url
+        tls: list[str] = []
+        if self.tls is not None:
+            tls = [*self.tls.args(), "--listen-metrics-urls", f"http://{self.host}:{self.metrics_port}"]
         return [
             self._binary,
             "--name", self.name,
@@ -224,6 +278,7 @@ class EtcdServer:
             "--initial-cluster-token", f"gpupool-{self.name}",
             "--logger", "zap",
             "--log-level", "warn",
+            *tls,
             *self.extra_args,
         ]  # fmt: skip
 
@@ -270,6 +325,11 @@ class EtcdServer:
                 self.peer_port = free_port(self.host)
                 while self.peer_port == self.client_port:
                     self.peer_port = free_port(self.host)
+            if self.tls is not None:
+                # Picked anew at each start: nothing outside this object uses it.
+                self.metrics_port = free_port(self.host)
+                while self.metrics_port in (self.client_port, self.peer_port):
+                    self.metrics_port = free_port(self.host)
             try:
                 self._spawn_and_wait(timeout)
                 return self
@@ -312,7 +372,7 @@ class EtcdServer:
     def healthy(self, timeout: float = 1.0) -> bool:
         """True when etcd answers ``/health`` with ``{"health": "true"}``."""
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as resp:
+            with urllib.request.urlopen(self.health_url, timeout=timeout) as resp:
                 body = json.loads(resp.read() or b"{}")
         except (OSError, ValueError, urllib.error.URLError):
             return False

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from etcd3 import etcdrpc
 
-from gpupool_sdk.errors import StoreError
+from gpupool_sdk.errors import StoreAuthError, StoreError, StoreTLSError
 from gpupool_sdk.store.transport import map_grpc_error, prefix_range_end
 from gpupool_sdk.store.types import KeyValue, WatchEvent
 
@@ -93,6 +93,12 @@ class Watcher:
             try:
                 outcome = self._stream()
                 backoff = 0.05
+            except (StoreAuthError, StoreTLSError) as exc:
+                if self._cancelled.is_set():
+                    break
+                # A settings problem does not fix itself: say so where an operator looks.
+                log.warning("watch on %s cannot connect (%s); retrying", self.prefix, exc)
+                outcome = "reconnect"
             except StoreError as exc:
                 if self._cancelled.is_set():
                     break
@@ -110,7 +116,7 @@ class Watcher:
 
     def _stream(self) -> str:
         """Run one watch stream until it ends; returns ``"reconnect"`` or ``"resync"`` (reopen at once)."""
-        stubs = self._store.stubs()
+        stubs = self._store.connected_stubs()
         p = self.prefix.encode()
         create = etcdrpc.WatchCreateRequest(key=p, range_end=prefix_range_end(p), prev_kv=True)
         if self.next_revision is not None:
@@ -126,12 +132,18 @@ class Watcher:
                 if resp.compact_revision:
                     self._resync(int(resp.compact_revision))
                     return "resync"
-                if resp.created:
+                if resp.created and not resp.canceled:
                     if self.next_revision is None:
                         self.next_revision = int(resp.header.revision) + 1
                     self._ready.set()
                 if resp.canceled:
-                    log.debug("etcd cancelled the watch on %s: %s", self.prefix, resp.cancel_reason)
+                    if "permission denied" in resp.cancel_reason and stubs.token:
+                        # etcd reports an expired token on a watch as "permission denied":
+                        # authenticate again before the next attempt (a real denial stays denied).
+                        stubs.forget_token()
+                        log.warning("etcd refused the watch on %s: %s", self.prefix, resp.cancel_reason)
+                    else:
+                        log.debug("etcd cancelled the watch on %s: %s", self.prefix, resp.cancel_reason)
                     return "reconnect"
                 if resp.events:
                     self._deliver(resp.events)
@@ -139,7 +151,7 @@ class Watcher:
         except grpc.RpcError as exc:
             if self._cancelled.is_set():
                 return "reconnect"
-            err = map_grpc_error(exc, "watch", stubs.endpoint)
+            err = map_grpc_error(exc, "watch", stubs.endpoint, self._store.security)
             # Let the store move to another endpoint for everyone if this one is gone.
             self._store._failover(stubs)
             raise err from None

@@ -167,7 +167,7 @@ def test_fails_over_to_a_live_endpoint(etcd_endpoint: str, keyspace: Keyspace) -
 
 @pytest.mark.parametrize(
     ("endpoints", "field"),
-    [("localhost", "endpoints"), ("h:99999", "endpoints"), ("", "endpoints"), ("https://h:1", "endpoints")],
+    [("localhost", "endpoints"), ("h:99999", "endpoints"), ("", "endpoints"), ("ftp://h:1", "endpoints")],
 )
 def test_bad_endpoints_name_the_field(endpoints: str, field: str) -> None:
     with pytest.raises(ConfigError) as info:
