@@ -23,6 +23,7 @@ from gpupool_sdk.resources import (
     JobStatus,
     QoS,
 )
+from gpupool_sdk.scheduler import Scheduler
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.store import EtcdStore
 from gpupool_sdk.store.codec import decode, encode
@@ -112,6 +113,12 @@ def test_queue_and_reject_write_only_on_change(status: JobStatus | None, decisio
         (st.Preempt("j", "for hi", 1060.0, "hi"), DirectiveKind.PREEMPT, JobState.PREEMPTING, {"for_job": "hi"}),
         (st.Preempt("j", "gpu unhealthy", 1060.0), DirectiveKind.PREEMPT, JobState.PREEMPTING, {}),
         (st.Resize("j", 1, "shrink", 1060.0), DirectiveKind.RESIZE, JobState.PREEMPTING, {"gpus": 1}),
+        (
+            st.Resize("j", 1, "shrink for hi", 1060.0, for_job="hi", keep=(UUID1,)),
+            DirectiveKind.RESIZE,
+            JobState.PREEMPTING,
+            {"gpus": 1, "for_job": "hi", "keep": [UUID1]},
+        ),
         (st.Balloon("j", 4 * GiB, "pressure", 1030.0), DirectiveKind.BALLOON, None, {"memory_bytes": 4 * GiB}),
         (
             st.Balloon("j", 4 * GiB, "pressure", 1030.0, for_job="hi"),
@@ -201,6 +208,64 @@ def test_grant_is_not_applied_once_the_job_restarted(store: EtcdStore) -> None:
         assert election.is_leader()
         assert store.get(ks.job_status("j")) is None
         assert not store.get_prefix(ks.allocations_prefix())[0]
+    finally:
+        election.resign()
+
+
+def test_shrink_for_a_pending_job_end_to_end(store: EtcdStore) -> None:
+    """Against etcd: an elastic job on 4 GPUs (min 2) is shrunk for a pending 2-GPU job of higher
+    priority; at its ack the freed GPUs are granted to the pending job and the kept ones back to it."""
+    ks = store.keys
+    timing = ElectionTiming(LeaseTiming(3, 0.5, 1.0), 0.5)
+    election = Election(store, "c", timing)
+    cfg = st.SchedulerConfig(aging_s_per_priority=0.0)
+    scheduler = Scheduler(cfg)
+    try:
+        assert election.step()
+        writer = FencedWriter(store, election.fence, election.demote)
+        applier = Applier(writer, ks, cfg, store.revoke_lease)
+        lease = store.grant_lease(30)
+        pool = parse_cluster_spec("node-a:4xH100-80GB:nvlink")
+        for g in pool:
+            store.put(ks.gpu(g.node, g.uuid), g, lease=lease)
+        store.put(ks.job_spec("el"), JobSpec(name="el", gpus=4, min_gpus=2, max_gpus=4, memory="70GiB"), lease=lease)
+        store.put(ks.job_status("el"), JobStatus(JobState.GRANTED, "granted", 900.0, 800.0, 900.0, term=election.term,
+                                                 gpus=4), lease=lease)
+        for g in pool:
+            store.put(ks.allocation(g.node, g.uuid, "el"),
+                      Allocation("el", g.node, g.uuid, g.index, 70 * GiB, 1.0, QoS.GUARANTEED, election.term, 900.0),
+                      lease=lease)
+        store.put(ks.job_spec("p"), JobSpec(name="p", gpus=2, memory="70GiB", priority=5), lease=lease)
+
+        def cycle(now: float) -> list[st.Decision]:
+            kvs, rev = store.get_prefix(ks.root())
+            state = build_state(kvs, ks, now, rev, election.term)
+            decisions = scheduler.schedule(state.snapshot)
+            report = applier.apply(decisions, state)
+            assert report.lost == 0
+            return decisions
+
+        first = cycle(NOW)
+        resize = next(d for d in first if d.job == "el")
+        kept = (pool[2].uuid, pool[3].uuid)
+        assert resize == st.Resize("el", 2, resize.reason, NOW + 60.0, for_job="p", keep=kept)
+        kv = store.get(ks.directive("el"))
+        assert kv is not None
+        d = decode("d", kv.value, Directive)
+        assert d.kind is DirectiveKind.RESIZE
+        assert dict(d.target) == {"gpus": 2, "for_job": "p", "keep": list(kept)}
+
+        store.put(ks.ack("el"), Ack(seq=d.seq, step=11, checkpoint="/ckpt/11", at=NOW + 5), lease=lease)
+        second = cycle(NOW + 10)
+        assert [type(x).__name__ for x in second] == ["Release", "Grant", "Grant"]
+        allocs, _ = store.get_prefix(ks.allocations_prefix())
+        held = {(a.job, a.gpu_uuid) for a in (decode("a", kv.value, Allocation) for kv in allocs)}
+        assert held == {("p", pool[0].uuid), ("p", pool[1].uuid), ("el", pool[2].uuid), ("el", pool[3].uuid)}
+        assert store.get(ks.directive("el")) is None
+        kv = store.get(ks.job_status("el"))
+        assert kv is not None
+        el_status = decode("s", kv.value, JobStatus)
+        assert el_status.state is JobState.GRANTED and el_status.gpus == 2
     finally:
         election.resign()
 

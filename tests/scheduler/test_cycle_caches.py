@@ -11,6 +11,11 @@ snapshots (fixed seeds):
   from its previous cycle.
 
 The reference runs a fresh scheduler per snapshot with the first two replaced by the plain walk.
+Elastic victims are shrunk (a ``Resize`` for the pending job) rather than preempted when that
+alone makes room: the shrink search (:func:`~gpupool_sdk.scheduler.preempt.plan_shrink`) is a
+plain walk in both paths, but ``hopeless`` answers it too (a shrink frees less than preempting the
+same victims whole), so the snapshots carry elastic jobs above their minimum, shrinks in flight
+and acknowledged shrinks, and the test checks that shrinks were decided.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import pytest
 from sched_helpers import gpus
 
-from gpupool_sdk.resources import Allocation, Directive, DirectiveKind, GiB, GpuHealth, JobSpec, JobState
+from gpupool_sdk.resources import Ack, Allocation, Directive, DirectiveKind, GiB, GpuHealth, JobSpec, JobState
 from gpupool_sdk.scheduler import (
     Balloon,
     ClusterSnapshot,
@@ -30,6 +35,7 @@ from gpupool_sdk.scheduler import (
     Grant,
     JobView,
     Preempt,
+    Resize,
     Scheduler,
     SchedulerConfig,
 )
@@ -59,6 +65,7 @@ def _spec(rng: random.Random, i: int, prio: int) -> JobSpec:
         anti_affinity=rng.choice([None, None, None, None, "g"]),
         gpu_model=rng.choice([None, None, None, "H100-80GB"]),
         min_gpus=1 if count > 1 and rng.random() < 0.3 else None,
+        max_gpus=count + 1 if rng.random() < 0.2 else None,
         min_runtime_s=rng.choice([0.0, 0.0, 600.0]),
     )
 
@@ -114,8 +121,20 @@ def congested(seed: int) -> tuple[ClusterSnapshot, SchedulerConfig]:
                     v, state=JobState.GRANTED, allocations=allocs, granted_at=NOW - rng.uniform(0, 3000)
                 )
         jobs = {n: v for n, v in jobs.items() if v.allocations}
-    # A few directives in flight: a preemption for somebody, a balloon under way.
+    # A few directives in flight: a preemption for somebody, a balloon under way, a shrink for
+    # somebody (still checkpointing, or acknowledged: the job is re-granted the GPUs it keeps).
     for v in list(jobs.values()):
+        if v.spec.is_elastic and len(v.allocations) > (v.spec.min_gpus or 1) and rng.random() < 0.3:
+            keep = [a.gpu_uuid for a in v.allocations[1:]]
+            target = {"gpus": len(keep), "for_job": rng.choice(["", f"j{i + 1}"]), "keep": keep}
+            acked = rng.random() < 0.5
+            jobs[v.name] = replace(
+                v,
+                state=JobState.PREEMPTING,
+                directive=Directive(DirectiveKind.RESIZE, 1, NOW + 50, target),
+                ack=Ack(seq=1) if acked else None,
+            )
+            continue
         if rng.random() < 0.08:
             kind = rng.choice([DirectiveKind.PREEMPT, DirectiveKind.BALLOON])
             target: dict[str, Any] = {"for_job": rng.choice(["", f"j{i + 1}"])}
@@ -182,7 +201,10 @@ def test_cycle_caches_decide_like_the_plain_searches(monkeypatch: pytest.MonkeyP
             assert got == want, f"seed {seed}, now {snap.now}"
             for d in got:
                 kinds[type(d).__name__] = kinds.get(type(d).__name__, 0) + 1
+                if isinstance(d, Resize) and d.for_job is not None:
+                    kinds["shrink"] = kinds.get("shrink", 0) + 1
     # The snapshots must exercise what the caches speed up, or this test proves nothing.
     assert kinds.get(Preempt.__name__, 0) > 20 and kinds.get(Balloon.__name__, 0) > 5, kinds
+    assert kinds.get("shrink", 0) > 20, kinds
     assert shortcut["true"] > 100 and shortcut["hits"] > 20, shortcut
     assert shortcut["true"] < shortcut["calls"], shortcut
