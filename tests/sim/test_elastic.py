@@ -1,4 +1,5 @@
-"""Elastic jobs in the simulator: hand-computed schedules of the pool's grow-by-Resize, and bad bounds.
+"""Elastic jobs in the simulator: hand-computed schedules of the pool's grow-by-Resize and
+shrink-for-a-pending-job, and bad bounds.
 
 Speed model (``gpupool_sdk.sim.engine``): on ``k`` slices a job asking ``n`` runs at
 ``throughput(k) / throughput(n)`` with ``throughput(k) = k / (1 + sigma * (k - 1))``. With
@@ -146,6 +147,26 @@ def test_elastic_job_grows_past_a_queued_gang_that_cannot_use_the_room(tmp_path:
     times, result = _run(tmp_path, rows, _pool(PoolMapping(elastic=(0.5, 2.0))), cluster="3xV100-32GB")
     assert times == {"a": (0.0, 40.0), "b": (0.0, 100.0), "x": (0.0, 112.5), "g": (112.5, 122.5)}
     assert result.resizes == 1 and result.preemptions == 0
+
+
+def test_elastic_job_is_shrunk_for_a_higher_priority_job_then_grows_back(tmp_path: Path) -> None:
+    # 2 GPUs. e (2 GPUs for 200 s, min 1, priority 0) runs alone on both from 0. p (rigid, 1 GPU,
+    # 100 s, priority 5) arrives at 50: instead of preempting e, the scheduler resizes it to 1 for p
+    # (it gives up GPU 0 and keeps GPU 1). e checkpoints 50-60 (150 s of work left), acks, and in the
+    # same cycle p is granted GPU 0 and e is re-granted GPU 1: 150 + 20 restart = 170 s of work at
+    # scale(1, 2) = 0.625. t=160: p ends; e has done 100 x 0.625 = 62.5 (107.5 left) and is resized
+    # back to 2: checkpoint 160-170, then 107.5 + 20 = 127.5 s at speed 1: ends at 297.5.
+    # 2 resizes, no preemption. (Before, e was preempted whole at 50: released at 60, it waited for
+    # the next cycle (110, p's directive deadline) to get 1 GPU and ended at 328.75.)
+    rows = (
+        "e,t,0,,,200,2,1.0,,,gpu_mem_gib=4;min_gpu=1\n"
+        "p,t,50,,,100,1,1.0,5,,gpu_mem_gib=4;min_gpu=1;max_gpu=1\n"
+    )
+    times, result = _run(tmp_path, rows, _pool())
+    assert times == {"e": (0.0, 297.5), "p": (60.0, 160.0)}
+    assert result.resizes == 2 and result.preemptions == 0
+    e = next(j for j in result.jobs if j.tj.job_id == "e")
+    assert (e.resizes, e.preemptions, e.restarts) == (2, 0, 2)
 
 
 def test_gpu_used_metric_ignores_the_scaling_factor(tmp_path: Path) -> None:
