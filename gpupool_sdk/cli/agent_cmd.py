@@ -19,12 +19,12 @@ import click
 
 from gpupool_sdk.agent.agent import NodeAgent, run_agents
 from gpupool_sdk.agent.signals import install_stop_handlers
-from gpupool_sdk.cli.common import endpoints_option, prefix_option, resolve_endpoints
+from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option, resolve_endpoints
 from gpupool_sdk.config import KEEPALIVE_ENV, LEASE_TTL_ENV, RETRY_TIMEOUT_ENV, LeaseTiming
 from gpupool_sdk.errors import ConfigError, SpecError
 from gpupool_sdk.inventory.base import InventoryBackend, simulated_backends
 from gpupool_sdk.inventory.health import DEFAULT_MAX_TEMPERATURE_C, HealthThresholds
-from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
 DEFAULT_REFRESH_S = 5.0
@@ -101,6 +101,7 @@ def _backends(
     help="A GPU at or above this temperature (C) is unhealthy.",
 )
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @click.option(
     "--take-over",
@@ -118,6 +119,7 @@ def agent(
     ttl_s: float | None,
     max_temperature_c: float,
     endpoints: str | None,
+    security: EtcdSecurity,
     prefix: str | None,
     take_over: bool,
     log_level: str,
@@ -150,6 +152,7 @@ def agent(
         resolve_endpoints(endpoints),
         keyspace=Keyspace.from_env(prefix),
         timeout_s=max(0.5, min(5.0, timing.retry_timeout_s)),
+        security=security,
     )
     stop = threading.Event()
     wake = threading.Event()

@@ -6,6 +6,7 @@ Exit codes scripts can rely on: 0 success, 1 operation failed (e.g. a fenced wri
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -16,7 +17,16 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from gpupool_sdk.errors import StoreUnavailableError
+from gpupool_sdk.errors import ConfigError, StoreUnavailableError
+from gpupool_sdk.store.security import (
+    CACERT_ENV,
+    CERT_ENV,
+    KEY_ENV,
+    PASSWORD_ENV,
+    PASSWORD_FILE_ENV,
+    USER_ENV,
+    EtcdSecurity,
+)
 
 ENDPOINTS_ENV = "GPUPOOL_ENDPOINTS"
 DEFAULT_ENDPOINTS = "127.0.0.1:2379"
@@ -49,8 +59,56 @@ def endpoints_option(f: F) -> F:
         envvar=ENDPOINTS_ENV,
         default=None,
         show_envvar=True,
-        help="etcd endpoints, comma separated host:port (default 127.0.0.1:2379).",
+        help="etcd endpoints, comma separated host:port, or https://host:port for TLS (default 127.0.0.1:2379).",
     )(f)
+
+
+def etcd_security_options(f: F) -> F:
+    """Add ``--etcd-cacert``, ``--etcd-cert``, ``--etcd-key``, ``--etcd-user``, ``--etcd-password-file``.
+
+    The command receives them as one ``security: EtcdSecurity`` keyword argument, resolved flag
+    first, then ``GPUPOOL_ETCD_*``, then ``ETCDCTL_*`` (see :mod:`gpupool_sdk.store.security`).
+    The password is never a flag value (``ps`` would show it): a file, or an environment variable.
+    A bad setting (missing file, certificate without key...) is a usage error (exit 2).
+    """
+
+    @functools.wraps(f)
+    def wrapper(
+        *args: Any,
+        etcd_cacert: str | None,
+        etcd_cert: str | None,
+        etcd_key: str | None,
+        etcd_user: str | None,
+        etcd_password_file: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        try:
+            security = EtcdSecurity.resolve(
+                cacert=etcd_cacert, cert=etcd_cert, key=etcd_key, user=etcd_user, password_file=etcd_password_file
+            )
+            security.load()  # check the files now: exit 2 naming the flag, before any connection
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
+        return f(*args, security=security, **kwargs)
+
+    options = (
+        click.option("--etcd-cacert", metavar="PATH", default=None,
+                     help=f"CA bundle that signed etcd's certificate; turns TLS on (env {CACERT_ENV}, ETCDCTL_CACERT; "
+                     "an https:// endpoint without it uses the system roots)."),
+        click.option("--etcd-cert", metavar="PATH", default=None,
+                     help=f"Client certificate for etcd's --client-cert-auth (env {CERT_ENV}, ETCDCTL_CERT)."),
+        click.option("--etcd-key", metavar="PATH", default=None,
+                     help=f"Private key of --etcd-cert (env {KEY_ENV}, ETCDCTL_KEY)."),
+        click.option("--etcd-user", metavar="NAME", default=None,
+                     help=f"etcd user when auth is enabled (env {USER_ENV}, ETCDCTL_USER as user:password); "
+                     f"the password comes from --etcd-password-file or env {PASSWORD_ENV}."),
+        click.option("--etcd-password-file", metavar="PATH", default=None,
+                     help=f"File whose first line is the etcd user's password (env {PASSWORD_FILE_ENV})."),
+    )  # fmt: skip
+    out: Any = wrapper
+    for option in reversed(options):
+        out = option(out)
+    return out  # type: ignore[no-any-return]
 
 
 def prefix_option(f: F) -> F:

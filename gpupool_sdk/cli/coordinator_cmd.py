@@ -15,12 +15,12 @@ from types import FrameType
 
 import click
 
-from gpupool_sdk.cli.common import endpoints_option, prefix_option, resolve_endpoints
+from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option, resolve_endpoints
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator
 from gpupool_sdk.errors import ConfigError, StoreUnavailableError
 from gpupool_sdk.scheduler.types import SchedulerConfig
-from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
 
@@ -33,6 +33,7 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
 
 @click.command("coordinator")
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @click.option("--id", "coordinator_id", default=None, help="Replica id (default <hostname>-<pid>).")
 @click.option("--ttl", type=float, default=30.0, show_default=True, help="Leader lease TTL in seconds.")
@@ -53,6 +54,7 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def coordinator(
     endpoints: str | None,
+    security: EtcdSecurity,
     prefix: str | None,
     coordinator_id: str | None,
     ttl: float,
@@ -85,7 +87,9 @@ def coordinator(
                 "overcommit_ratio": "--overcommit-ratio", "min_runtime_s": "--min-runtime",
                 "aging_s_per_priority": "--aging", "preempt_grace_s": "--preempt-grace"}.get(exc.field, exc.field)
         raise click.BadParameter(str(exc), param_hint=flag) from None
-    store = EtcdStore(resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=max(1.0, retry_timeout))
+    store = EtcdStore(
+        resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=max(1.0, retry_timeout), security=security
+    )
     try:
         coord = Coordinator(store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait)
     except ConfigError as exc:

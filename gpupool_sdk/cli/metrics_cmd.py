@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gpupool_sdk.cli.common import endpoints_option, prefix_option, unreachable
+from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option, unreachable
 from gpupool_sdk.cli.top_cmd import (
     load_prices,
     open_store,
@@ -26,6 +26,7 @@ from gpupool_sdk.cli.top_cmd import (
     timeout_option,
 )
 from gpupool_sdk.errors import ConfigError, StoreUnavailableError
+from gpupool_sdk.store.security import EtcdSecurity
 from gpupool_sdk.telemetry.pricing import catalog_offers
 from gpupool_sdk.telemetry.prometheus import serve_metrics
 from gpupool_sdk.telemetry.report import cost_report
@@ -38,6 +39,7 @@ def metrics() -> None:
 
 @metrics.command("serve")
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True, help="HTTP port (0: any free).")
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
@@ -53,6 +55,7 @@ def metrics() -> None:
 @timeout_option
 def serve(
     endpoints: str | None,
+    security: EtcdSecurity,
     prefix: str | None,
     port: int,
     addr: str,
@@ -68,7 +71,7 @@ def serve(
         curl -s localhost:9400/metrics | grep gpupool_job_cost_usd_total
     """
     prices = load_prices(prices_path)
-    with open_store(endpoints, prefix, timeout_s) as store:
+    with open_store(endpoints, prefix, timeout_s, security) as store:
         try:
             store.revision()  # fail fast (exit 3) when etcd is not there at start
         except StoreUnavailableError as exc:
@@ -131,6 +134,7 @@ def render_report(doc: dict[str, Any], console: Console) -> None:
 @report_options
 def report(
     endpoints: str | None,
+    security: EtcdSecurity,
     prefix: str | None,
     output: str,
     watch_s: float | None,
@@ -147,5 +151,12 @@ def report(
     prices = load_prices(prices_path)
     offers = catalog_offers()
     show_report(
-        endpoints, prefix, timeout_s, watch_s, output, lambda view: cost_report(view, prices, offers), render_report
+        endpoints,
+        prefix,
+        timeout_s,
+        watch_s,
+        output,
+        lambda view: cost_report(view, prices, offers),
+        render_report,
+        security=security,
     )

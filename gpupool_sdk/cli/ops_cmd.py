@@ -18,10 +18,17 @@ from typing import Any
 
 import click
 
-from gpupool_sdk.cli.common import EXIT_NOT_FOUND, echo_json, endpoints_option, output_option, prefix_option
+from gpupool_sdk.cli.common import (
+    EXIT_NOT_FOUND,
+    echo_json,
+    endpoints_option,
+    etcd_security_options,
+    output_option,
+    prefix_option,
+)
 from gpupool_sdk.cli.status_cmd import open_store
 from gpupool_sdk.resources import GpuInfo
-from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store import EtcdSecurity, EtcdStore
 
 
 def _who() -> str:
@@ -74,11 +81,14 @@ _force_option = click.option("--force", is_flag=True, help="Write the intent eve
 @_reason_option
 @_force_option
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @output_option
-def cordon(gpu_uuid: str, reason: str, force: bool, endpoints: str | None, prefix: str | None, output: str) -> None:
+def cordon(
+    gpu_uuid: str, reason: str, force: bool, endpoints: str | None, security: EtcdSecurity, prefix: str | None, output: str
+) -> None:
     """Stop new grants on GPU_UUID (its running jobs stay)."""
-    with open_store(endpoints, prefix) as store:
+    with open_store(endpoints, prefix, security=security) as store:
         key = store.keys.cordon(gpu_uuid)
         obj: dict[str, Any] = {"gpu_uuid": gpu_uuid, "cordoned": True}
         if not force and _find_gpu(store, gpu_uuid) is None:
@@ -90,11 +100,14 @@ def cordon(gpu_uuid: str, reason: str, force: bool, endpoints: str | None, prefi
 @click.command("uncordon")
 @click.argument("gpu_uuid")
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @output_option
-def uncordon(gpu_uuid: str, endpoints: str | None, prefix: str | None, output: str) -> None:
+def uncordon(
+    gpu_uuid: str, endpoints: str | None, security: EtcdSecurity, prefix: str | None, output: str
+) -> None:
     """Allow new grants on GPU_UUID again."""
-    with open_store(endpoints, prefix) as store:
+    with open_store(endpoints, prefix, security=security) as store:
         deleted = store.delete(store.keys.cordon(gpu_uuid))
         _report(
             output,
@@ -108,11 +121,14 @@ def uncordon(gpu_uuid: str, endpoints: str | None, prefix: str | None, output: s
 @_reason_option
 @_force_option
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @output_option
-def drain(node: str, reason: str, force: bool, endpoints: str | None, prefix: str | None, output: str) -> None:
+def drain(
+    node: str, reason: str, force: bool, endpoints: str | None, security: EtcdSecurity, prefix: str | None, output: str
+) -> None:
     """Drain NODE: no new grants; its jobs are preempted (checkpoint first) and placed elsewhere."""
-    with open_store(endpoints, prefix) as store:
+    with open_store(endpoints, prefix, security=security) as store:
         key = store.keys.drain(node)
         obj: dict[str, Any] = {"node": node, "draining": True}
         if not force and not _node_exists(store, node):
@@ -124,11 +140,14 @@ def drain(node: str, reason: str, force: bool, endpoints: str | None, prefix: st
 @click.command("undrain")
 @click.argument("node")
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @output_option
-def undrain(node: str, endpoints: str | None, prefix: str | None, output: str) -> None:
+def undrain(
+    node: str, endpoints: str | None, security: EtcdSecurity, prefix: str | None, output: str
+) -> None:
     """Stop draining NODE: it takes new grants again."""
-    with open_store(endpoints, prefix) as store:
+    with open_store(endpoints, prefix, security=security) as store:
         deleted = store.delete(store.keys.drain(node))
         _report(
             output,

@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from gpupool_sdk.cli.common import endpoints_option, prefix_option
+from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.integrations._core import (
     CKPT_DIR_ENV,
@@ -41,6 +41,7 @@ from gpupool_sdk.integrations._core import (
     derive_job_name,
 )
 from gpupool_sdk.resources import JobSpec
+from gpupool_sdk.store.security import EtcdSecurity
 
 
 def _script_of(command: tuple[str, ...]) -> str:
@@ -77,6 +78,7 @@ def _stop_child(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
 @click.option("--acquire-timeout", type=float, default=None, help="Seconds to wait in the queue per attempt.")
 @click.option("--max-restarts", type=int, default=100, show_default=True, help="Give up after this many preemptions.")
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
@@ -92,6 +94,7 @@ def run(
     acquire_timeout: float | None,
     max_restarts: int,
     endpoints: str | None,
+    security: EtcdSecurity,
     prefix: str | None,
     command: tuple[str, ...],
 ) -> None:
@@ -119,7 +122,7 @@ def run(
         gpu_model=gpu_model,
     )
     sys.exit(run_job(spec, list(command), endpoints=endpoints, prefix=prefix, checkpoint_dir=checkpoint_dir,
-                     acquire_timeout=acquire_timeout, max_restarts=max_restarts))
+                     acquire_timeout=acquire_timeout, max_restarts=max_restarts, security=security))
 
 
 def run_job(
@@ -131,6 +134,7 @@ def run_job(
     acquire_timeout: float | None = None,
     max_restarts: int = 100,
     echo: Any = None,
+    security: EtcdSecurity | None = None,
 ) -> int:
     """The loop behind ``gpupool run``: acquire, run, re-queue on exit 75 or lease loss.
 
@@ -141,7 +145,7 @@ def run_job(
     from gpupool_sdk.integrations.run_channel import RunChannelServer
 
     say = echo or (lambda msg: click.echo(f"[gpupool run] {msg}", err=True))
-    client = PoolClient(endpoints=endpoints, prefix=prefix)
+    client = PoolClient(endpoints=endpoints, prefix=prefix, security=security)
     sockdir = tempfile.mkdtemp(prefix="gpupool-run-")
     os.chmod(sockdir, 0o700)
     restarts = 0

@@ -19,6 +19,7 @@ from rich.text import Text
 from gpupool_sdk.cli.common import (
     echo_json,
     endpoints_option,
+    etcd_security_options,
     output_option,
     prefix_option,
     resolve_endpoints,
@@ -27,16 +28,18 @@ from gpupool_sdk.cli.common import (
 )
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.resources import JobState, format_size
-from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
 # A status read should fail fast when etcd is down rather than retry for long.
 STATUS_TIMEOUT_S = 3.0
 
 
-def open_store(endpoints: str | None, prefix: str | None, timeout_s: float = STATUS_TIMEOUT_S) -> EtcdStore:
-    """An :class:`EtcdStore` for a CLI command from its ``--endpoints`` / ``--prefix`` options."""
-    return EtcdStore(resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=timeout_s)
+def open_store(
+    endpoints: str | None, prefix: str | None, timeout_s: float = STATUS_TIMEOUT_S, security: EtcdSecurity | None = None
+) -> EtcdStore:
+    """An :class:`EtcdStore` for a CLI command from its ``--endpoints`` / ``--prefix`` / ``--etcd-*`` options."""
+    return EtcdStore(resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=timeout_s, security=security)
 
 
 def read_pool(store: EtcdStore) -> PoolState:
@@ -233,10 +236,11 @@ def render(state: PoolState, endpoint: str) -> Group:
 
 @click.command("status")
 @endpoints_option
+@etcd_security_options
 @prefix_option
 @output_option
 @watch_option
-def status(endpoints: str | None, prefix: str | None, output: str, watch_s: float | None) -> None:
+def status(endpoints: str | None, security: EtcdSecurity, prefix: str | None, output: str, watch_s: float | None) -> None:
     """Show the leader, nodes, GPUs, jobs, the queue and any malformed keys.
 
     \b
@@ -247,7 +251,7 @@ def status(endpoints: str | None, prefix: str | None, output: str, watch_s: floa
     """
     # Malformed keys are shown in the "problems" section; the snapshot's log line would repeat them.
     logging.getLogger("gpupool_sdk.coordinator.snapshot").setLevel(logging.ERROR)
-    store = open_store(endpoints, prefix)
+    store = open_store(endpoints, prefix, security=security)
     # Piped output is not wrapped at 80 columns, so keys stay whole for grep and scripts.
     console = Console(width=None if sys.stdout.isatty() else 220)
 

@@ -21,6 +21,7 @@ from rich.table import Table
 from gpupool_sdk.cli.common import (
     echo_json,
     endpoints_option,
+    etcd_security_options,
     output_option,
     prefix_option,
     resolve_endpoints,
@@ -30,6 +31,7 @@ from gpupool_sdk.cli.common import (
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import format_size
 from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.store.security import EtcdSecurity
 from gpupool_sdk.telemetry.pricing import PriceTable
 from gpupool_sdk.telemetry.report import phase_bar, top_report
 from gpupool_sdk.telemetry.view import PoolView, load_view
@@ -65,12 +67,16 @@ def load_prices(path: Path | None) -> PriceTable:
 
 
 @contextmanager
-def open_store(endpoints: str | None, prefix: str | None, timeout_s: float) -> Iterator[Any]:
+def open_store(
+    endpoints: str | None, prefix: str | None, timeout_s: float, security: EtcdSecurity | None = None
+) -> Iterator[Any]:
     """An EtcdStore for a reporting command (closed on exit); bad settings are usage errors."""
     from gpupool_sdk.store.etcd_store import EtcdStore
 
     try:
-        store = EtcdStore(resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=timeout_s)
+        store = EtcdStore(
+            resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=timeout_s, security=security
+        )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     try:
@@ -89,7 +95,8 @@ def report_errors(errors: list[str] | tuple[str, ...]) -> None:
 
 def report_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The options of a reporting command (``top``, ``metrics report``): where the pool is, how to show it."""
-    for option in reversed((endpoints_option, prefix_option, output_option, watch_option, prices_option, timeout_option)):
+    options = (endpoints_option, etcd_security_options, prefix_option, output_option, watch_option, prices_option, timeout_option)
+    for option in reversed(options):
         f = option(f)
     return f
 
@@ -102,6 +109,7 @@ def show_report(
     output: str,
     build: Callable[[PoolView], dict[str, Any]],
     render_table: Callable[[dict[str, Any], Console], None],
+    security: EtcdSecurity | None = None,
 ) -> None:
     """Read the pool, ``build`` the report document and print it (JSON or tables), once or under ``-w``.
 
@@ -120,7 +128,7 @@ def show_report(
             render_table(doc, console)
         report_errors(view.errors)
 
-    with open_store(endpoints, prefix, timeout_s) as store:
+    with open_store(endpoints, prefix, timeout_s, security) as store:
         watch_loop(endpoints, watch_s, lambda: load_view(store), show)
 
 
@@ -193,6 +201,7 @@ def render_top(doc: dict[str, Any], console: Console) -> None:
 @report_options
 def top(
     endpoints: str | None,
+    security: EtcdSecurity,
     prefix: str | None,
     output: str,
     watch_s: float | None,
@@ -208,4 +217,6 @@ def top(
         gpupool top -o json         # the same as JSON, for scripts
     """
     prices = load_prices(prices_path)
-    show_report(endpoints, prefix, timeout_s, watch_s, output, lambda view: top_report(view, prices), render_top)
+    show_report(
+        endpoints, prefix, timeout_s, watch_s, output, lambda view: top_report(view, prices), render_top, security=security
+    )

@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_term)
-    store = EtcdStore(cfg["endpoints"], keyspace=Keyspace(cfg["prefix"]), timeout_s=cfg["timeout_s"])
+    store = EtcdStore(cfg["endpoints"], keyspace=Keyspace(cfg["prefix"]), timeout_s=cfg["timeout_s"], security=cfg["security"])
     helper = Helper(conn, store, cfg["timing"], parent_pid=cfg["parent_pid"])
     conn.send({"op": "ready", "pid": os.getpid()})
     try:

@@ -34,6 +34,7 @@ from gpupool_sdk.resources import Checkpoint, JobSpec, JobStatus
 from gpupool_sdk.store.endpoints import parse_endpoints
 from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.records import TelemetryRecord
+from gpupool_sdk.store.security import EtcdSecurity
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,13 @@ class PoolClient:
             (default ``$GPUPOOL_NODE`` or the host name).
         timeout_s: deadline of one etcd call and of a request to the helper.
         telemetry_interval_s: at most one telemetry write per job per this many seconds.
+        security: TLS and etcd-auth settings; default :meth:`EtcdSecurity.from_env`
+            (``GPUPOOL_ETCD_CACERT`` / ``_CERT`` / ``_KEY`` / ``_USER`` / ``_PASSWORD``, else the
+            ``ETCDCTL_*`` ones), so a training script needs no change. The files are checked
+            here; the settings travel to the I/O helper as a plain value.
+
+    Raises:
+        ConfigError: a bad argument or security setting (missing certificate file...), naming it.
 
     Example:
         >>> from gpupool_sdk import PoolClient, JobSpec
@@ -143,8 +151,14 @@ class PoolClient:
         node: str | None = None,
         timeout_s: float = 5.0,
         telemetry_interval_s: float = 1.0,
+        security: EtcdSecurity | None = None,
     ) -> None:
         self.endpoints = parse_endpoints(endpoints)
+        if security is not None and not isinstance(security, EtcdSecurity):
+            raise ConfigError("security", f"expected an EtcdSecurity, got {type(security).__name__}")
+        self.security = (security if security is not None else EtcdSecurity.from_env()).for_endpoints(endpoints)
+        # Read the certificate files now: a bad path fails here, naming the setting, not in the helper.
+        self.security.load()
         self.keys = Keyspace.from_env(prefix)
         if timing is not None and not isinstance(timing, LeaseTiming):
             raise ConfigError("timing", f"expected a LeaseTiming, got {type(timing).__name__}")
@@ -192,6 +206,7 @@ class PoolClient:
                 "prefix": self.keys.prefix,
                 "timing": self.timing,
                 "timeout_s": self.timeout_s,
+                "security": self.security,
                 "parent_pid": None if self.in_process else os.getpid(),
                 "log_level": os.environ.get("GPUPOOL_HELPER_LOG_LEVEL"),
             }
@@ -234,7 +249,9 @@ class PoolClient:
 
         a, b = _Box(), _Box()
         ours, theirs = _QueueConn(a, b), _QueueConn(b, a)
-        store = EtcdStore(cfg["endpoints"], keyspace=Keyspace(cfg["prefix"]), timeout_s=cfg["timeout_s"])
+        store = EtcdStore(
+            cfg["endpoints"], keyspace=Keyspace(cfg["prefix"]), timeout_s=cfg["timeout_s"], security=cfg["security"]
+        )
         helper = Helper(theirs, store, cfg["timing"], parent_pid=None)
 
         def run() -> None:
