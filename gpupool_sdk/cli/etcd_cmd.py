@@ -11,7 +11,9 @@ from types import FrameType
 import click
 
 from gpupool_sdk.cli.common import ENDPOINTS_ENV
-from gpupool_sdk.store.launcher import EtcdServer
+from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.store.launcher import EtcdServer, EtcdServerTLS
+from gpupool_sdk.store.security import CACERT_ENV
 
 
 def _default_data_dir() -> Path:
@@ -30,7 +32,21 @@ def _default_data_dir() -> Path:
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Listen address.")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for etcd to be healthy.")
-def etcd(port: int, peer_port: int | None, data_dir: Path | None, host: str, timeout: float) -> None:
+@click.option("--cert-file", metavar="PATH", default=None,
+              help="Serve clients over TLS with this server certificate (its SAN must list --host).")
+@click.option("--key-file", metavar="PATH", default=None, help="Private key of --cert-file.")
+@click.option("--trusted-ca-file", metavar="PATH", default=None,
+              help="Require client certificates signed by this CA (etcd's --client-cert-auth).")
+def etcd(
+    port: int,
+    peer_port: int | None,
+    data_dir: Path | None,
+    host: str,
+    timeout: float,
+    cert_file: str | None,
+    key_file: str | None,
+    trusted_ca_file: str | None,
+) -> None:
     """Run a real etcd for one machine, in the foreground until Ctrl-C or SIGTERM.
 
     Prints the endpoint and the export line the other commands need:
@@ -39,11 +55,28 @@ def etcd(port: int, peer_port: int | None, data_dir: Path | None, host: str, tim
         $ gpupool etcd --port 2379
         etcd gpupool ready on 127.0.0.1:2379 (pid ..., data ...)
         export GPUPOOL_ENDPOINTS=127.0.0.1:2379
+
+    Plaintext by default. With --cert-file and --key-file it serves TLS (https://), and with
+    --trusted-ca-file also requires client certificates (mutual TLS):
+
+    \b
+        $ gpupool etcd --cert-file server.pem --key-file server.key --trusted-ca-file ca.pem
+        export GPUPOOL_ENDPOINTS=https://127.0.0.1:2379
     """
     # A stable peer port: a kept data dir remembers the member's peer URL across restarts.
     if peer_port is None:
         peer_port = port + 1 if port < 65535 else port - 1
-    server = EtcdServer(data_dir=data_dir or _default_data_dir(), client_port=port, peer_port=peer_port, host=host)
+    tls = None
+    if cert_file or key_file or trusted_ca_file:
+        if not (cert_file and key_file):
+            raise click.UsageError("--cert-file and --key-file go together (TLS needs both); --trusted-ca-file needs them too")
+        try:
+            tls = EtcdServerTLS(cert_file, key_file, trusted_ca_file)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint=f"--{exc.field.replace('_', '-')}") from None
+    server = EtcdServer(
+        data_dir=data_dir or _default_data_dir(), client_port=port, peer_port=peer_port, host=host, tls=tls
+    )
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -53,7 +86,16 @@ def etcd(port: int, peer_port: int | None, data_dir: Path | None, host: str, tim
     try:
         server.start(timeout=timeout)
         click.echo(f"etcd {server.name} ready on {server.endpoint} (pid {server.pid}, data {server.data_dir})")
-        click.echo(f"export {ENDPOINTS_ENV}={server.endpoint}", color=False)
+        if tls is None:
+            click.echo(f"export {ENDPOINTS_ENV}={server.endpoint}", color=False)
+        else:
+            click.echo(f"export {ENDPOINTS_ENV}={server.client_url}", color=False)
+            if tls.trusted_ca_file:
+                click.echo(
+                    f"# and {CACERT_ENV}=<CA of {tls.cert_file}>, GPUPOOL_ETCD_CERT / GPUPOOL_ETCD_KEY = a client "
+                    f"certificate signed by {tls.trusted_ca_file}",
+                    color=False,
+                )
         # Wake up now and then to notice an etcd that died under us.
         while not stop.wait(0.5):
             if not server.is_running():
