@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpupool_sdk.errors import GpupoolError
+from gpupool_sdk.store.security import SECURITY_ENV_VARS
 
 
 @dataclass
@@ -126,7 +127,8 @@ class Demo:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            env={**os.environ, **(env or {})},
+            # The demo's etcd is its own plaintext one: the operator's TLS/auth settings do not apply.
+            env={**{k: v for k, v in os.environ.items() if k not in SECURITY_ENV_VARS}, **(env or {})},
             start_new_session=True,
             cwd=self.workdir,
         )
@@ -167,10 +169,10 @@ class Demo:
         return ep
 
     def _wait_for_gpus(self, ep: str, deadline: float) -> None:
-        from gpupool_sdk.store import EtcdStore
+        from gpupool_sdk.store import EtcdSecurity, EtcdStore
         from gpupool_sdk.store.keyspace import Keyspace
 
-        store = EtcdStore(ep, keyspace=Keyspace(self.prefix))
+        store = EtcdStore(ep, keyspace=Keyspace(self.prefix), security=EtcdSecurity())
         try:
             while time.monotonic() < deadline:
                 kvs, _ = store.get_prefix(store.keys.gpus_prefix())
