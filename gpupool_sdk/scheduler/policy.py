@@ -40,6 +40,7 @@ from gpupool_sdk.scheduler.preempt import (
     VictimIndex,
     balloon_bound,
     balloon_targets,
+    kept_after_shrink,
     las_bound,
     las_standing,
     plan_balloon,
@@ -444,7 +445,7 @@ class Scheduler:
             cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, now, config)) for v in pool], None, standing)
         if not cyc.victims or cyc.victims.hopeless(req, preempt_bound(prio), las):
             return False  # also answers the shrink search: a shrink frees less than a preemption
-        shrink = self._shrink_plan(cyc, req, prio, las)
+        shrink = self._shrink_plan(cyc, req, prio, las) if config.shrink_elastic else None
         groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy, las)
         plan = plan_preemption(cyc.ledger, req, (), groups=groups)
         if shrink is not None and (plan is None or self._standing(cyc, shrink.jobs) <= self._standing(cyc, plan.jobs)):
@@ -494,7 +495,13 @@ class Scheduler:
             budget = len(holdings.get(name, ())) - (spec.min_gpus or spec.gpus)
             if budget > 0:
                 shrinkable.append((name, budget))
-        return plan_shrink(cyc.ledger, req, shrinkable) if shrinkable else None
+        if not shrinkable:
+            return None
+        if req.min_count < req.count:
+            full = plan_shrink(cyc.ledger, replace(req, min_count=req.count), shrinkable)
+            if full is not None:
+                return full
+        return plan_shrink(cyc.ledger, req, shrinkable)
 
     def _standing(self, cyc: _Cycle, names: tuple[str, ...]) -> tuple[int, int, int]:
         """How protected the most protected of ``names`` is as a victim (class, priority, LAS
@@ -505,8 +512,9 @@ class Scheduler:
         return max(keys)
 
     def _shrink(self, cyc: _Cycle, view: JobView, plan: Plan, prio: float) -> None:
-        """Resize the plan's elastic victims down for ``view``: each gives up the GPUs of
-        ``plan.drops`` and keeps the others (named in the Resize, re-granted at its ack)."""
+        """Resize the plan's elastic victims down to ``min_gpus`` for ``view``: each gives up the
+        GPUs of ``plan.drops`` and as many more as its minimum allows (:func:`kept_after_shrink`);
+        the GPUs it keeps are named in the Resize and re-granted to it at its ack."""
         now = cyc.snapshot.now
         config = cyc.config
         ledger = cyc.ledger
@@ -516,7 +524,7 @@ class Scheduler:
         for name, drop in zip(plan.jobs, plan.drops, strict=True):
             victim = cyc.snapshot.jobs[name]
             held = [h.gpu for h in ledger.holdings.get(name, ())]
-            keep = [i for i in held if i not in drop]
+            keep = kept_after_shrink(ledger, held, drop, victim.spec.min_gpus or victim.spec.gpus)
             cyc.decisions.append(
                 Resize(
                     name,

@@ -307,6 +307,31 @@ def plan_shrink(ledger: Ledger, req: SliceRequest, victims: Sequence[tuple[str, 
         ledger.frees = frees
 
 
+def kept_after_shrink(ledger: Ledger, held: Sequence[int], drop: Collection[int], keep_count: int) -> list[int]:
+    """The GPUs a victim of :func:`plan_shrink` keeps when it shrinks to ``keep_count`` (its
+    ``min_gpus``): never one of ``drop`` (the pending job's placement), and among the others those
+    on the node and NVLink island where it holds the most, then the lowest indices (its workers
+    stay together). ``held``: its GPUs, in holding order (the result keeps that order).
+
+    A victim goes to its minimum at once rather than giving up only what one pending job needs:
+    under a stream of arrivals, freeing one GPU at a time restarted the same job at every arrival
+    (each shrink costs it a checkpoint and a restart on all its GPUs), and it was then preempted
+    whole anyway (``docs/simulation.md`` 2d).
+    """
+    left = [i for i in held if i not in drop]
+    if len(left) <= keep_count:
+        return left
+    nodes, islands = ledger.nodes, ledger.islands
+    on_node: dict[str, int] = {}
+    on_island: dict[tuple[str, int | None], int] = {}
+    for i in left:
+        on_node[nodes[i]] = on_node.get(nodes[i], 0) + 1
+        on_island[(nodes[i], islands[i])] = on_island.get((nodes[i], islands[i]), 0) + 1
+    best = sorted(left, key=lambda i: (-on_node[nodes[i]], nodes[i], -on_island[(nodes[i], islands[i])], i))
+    chosen = set(best[:keep_count])
+    return [i for i in held if i in chosen]
+
+
 def _completion_groups(
     ledger: Ledger,
     req: SliceRequest,

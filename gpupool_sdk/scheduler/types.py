@@ -55,6 +55,10 @@ class SchedulerConfig:
             other down, so packing pays only when GPUs get scarce; below the threshold the
             scheduler packs (best fit), which keeps the remaining idle GPUs whole for whole-GPU
             and gang jobs. 1.0 = always pack; 0.0 = spread whenever an idle GPU is free.
+        shrink_elastic: a pending job that needs room resizes elastic victims down to their
+            ``min_gpus`` (a ``Resize`` naming it) instead of preempting them whole, when that alone
+            makes room and those victims are no more protected than the ones a preemption would
+            take. False: elastic victims are preempted whole, like rigid ones.
     """
 
     overcommit_ratio: float = 1.0
@@ -74,6 +78,7 @@ class SchedulerConfig:
     resize_up: bool = True
     max_preemption_attempts: int = 32
     spread_idle_above: float = 0.25
+    shrink_elastic: bool = True
 
     def __post_init__(self) -> None:
         for name in (

@@ -51,6 +51,12 @@ def test_elastic_victim_is_shrunk_to_its_minimum_not_preempted() -> None:
     assert not [d for d in ds if isinstance(d, Preempt)]
 
 
+def test_shrink_elastic_off_preempts_whole() -> None:
+    el = running(elastic("el"), G)
+    ds = run(snap(POOL, [el, rigid("p", priority=5, order=1)], now=100.0), replace(NO_AGING, shrink_elastic=False))
+    assert isinstance(only(ds, "el"), Preempt)
+
+
 def test_same_priority_with_aging_shrinks_too() -> None:
     # Aging 60 s per point: p waited 120 s (effective 2), el was granted at once (running priority
     # 0): el is a victim one whole level lower and is shrunk.
@@ -61,12 +67,27 @@ def test_same_priority_with_aging_shrinks_too() -> None:
     assert isinstance(rz, Resize) and (rz.gpus, rz.for_job, rz.keep) == (2, "p", uuids(2, 3))
 
 
-def test_only_as_much_as_needed() -> None:
-    # p asks 1 GPU: el (4, min 2) gives up one, G0, and keeps three.
+def test_shrinks_to_its_minimum_at_once() -> None:
+    # p asks 1 GPU: el (4, min 2) gives up G0 (where p is placed) and goes to its minimum at once:
+    # it keeps the lowest-index GPUs of the others, G1 and G2, and gives up G3 too (freeing one GPU
+    # per arrival would restart it at every arrival).
     el = running(elastic("el"), G)
     ds = run(snap(POOL, [el, rigid("p", gpus=1, priority=5)], now=100.0), NO_AGING)
     rz = only(ds, "el")
-    assert isinstance(rz, Resize) and (rz.gpus, rz.keep) == (3, uuids(1, 2, 3))
+    assert isinstance(rz, Resize) and (rz.gpus, rz.keep) == (2, uuids(1, 2))
+
+
+def test_the_kept_gpus_stay_on_the_node_where_it_holds_most() -> None:
+    # r (priority 9) holds a0 and a1; el (4 GPUs, min 2) holds a2, a3, b0 and b1 (a2 first). p
+    # (1 GPU) is placed on a2 (first in el's walk); of a3, b0 and b1 el keeps the two on node b,
+    # where it holds more, and gives up a3 as well.
+    pool = gpus("a:4xH100-80GB:nvlink,b:2xH100-80GB:nvlink")
+    g = list(pool.values())
+    r = running(rigid("r", priority=9), g[:2])
+    el = running(elastic("el"), g[2:])
+    ds = run(snap(pool, [r, el, rigid("p", gpus=1, priority=5)], now=100.0), NO_AGING)
+    rz = only(ds, "el")
+    assert isinstance(rz, Resize) and (rz.gpus, rz.keep) == (2, (g[4].uuid, g[5].uuid))
 
 
 def test_a_shrink_too_small_preempts_whole() -> None:
