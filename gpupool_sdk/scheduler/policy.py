@@ -169,6 +169,8 @@ class _Cycle:
     attempts: int = 0
     freeing_by_job: dict[str | None, list[str]] | None = None
     victims: VictimIndex | None = None
+    #: the candidates of ``victims`` that could shrink (elastic, above ``min_gpus``), with how many GPUs they may give up.
+    shrink_budget: dict[str, int] | None = None
     balloonable: VictimIndex | None = None
     no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
     #: :func:`victim_key` (without LAS) of the jobs holding capacity, for reservations.
@@ -485,16 +487,23 @@ class Scheduler:
         """The shrink plan for ``req`` among the victims of this bound that are elastic above
         their ``min_gpus`` (in victim order), or None."""
         assert cyc.victims is not None
-        jobs = cyc.snapshot.jobs
-        holdings = cyc.ledger.holdings
-        shrinkable: list[tuple[str, int]] = []
-        for name in cyc.victims.candidates_under(float(math.floor(preempt_bound(prio))), las):
-            spec = jobs[name].spec
-            if not spec.is_elastic or name in cyc.busy:
-                continue
-            budget = len(holdings.get(name, ())) - (spec.min_gpus or spec.gpus)
-            if budget > 0:
-                shrinkable.append((name, budget))
+        if cyc.shrink_budget is None:
+            jobs = cyc.snapshot.jobs
+            holdings = cyc.ledger.holdings
+            cyc.shrink_budget = {}
+            for name, _p in cyc.victims.pool:
+                spec = jobs[name].spec
+                budget = len(holdings.get(name, ())) - (spec.min_gpus or spec.gpus)
+                if spec.is_elastic and budget > 0:
+                    cyc.shrink_budget[name] = budget
+        if not cyc.shrink_budget:
+            return None
+        budgets = cyc.shrink_budget
+        shrinkable = [
+            (n, budgets[n])
+            for n in cyc.victims.candidates_under(float(math.floor(preempt_bound(prio))), las)
+            if n in budgets and n not in cyc.busy
+        ]
         if not shrinkable:
             return None
         if req.min_count < req.count:
