@@ -405,7 +405,8 @@ class PoolPolicy:
 
     def follow_up(self, sim: Simulator) -> bool:
         """Another cycle at this instant? Only when nothing waits and an elastic job granted below
-        its maximum could grow into what changed (the scheduler grows jobs only when nothing waits)."""
+        its maximum could grow into what changed: the coordinator reacts to its own writes the same
+        way (with jobs pending, the next event's cycle sees the change anyway)."""
         return not sim.pending and bool(self._growable) and self._dirty
 
     def next_wakeup(self, sim: Simulator) -> float | None:
