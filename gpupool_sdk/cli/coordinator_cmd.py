@@ -18,8 +18,9 @@ import click
 from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option, resolve_endpoints
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator
+from gpupool_sdk.coordinator.coordinator import DEFAULT_ETCD_MAX_TXN_OPS
 from gpupool_sdk.errors import ConfigError, StoreUnavailableError
-from gpupool_sdk.scheduler.types import SchedulerConfig
+from gpupool_sdk.scheduler.types import MIN_ETCD_MAX_TXN_OPS, SchedulerConfig
 from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
@@ -50,6 +51,10 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
 @click.option("--preempt-grace", type=float, default=60.0, show_default=True,
               help="Default seconds a job gets to checkpoint and ack a preemption.")
 @click.option("--no-preemption", is_flag=True, help="Never preempt: jobs only queue.")
+@click.option("--etcd-max-txn-ops", type=click.IntRange(MIN_ETCD_MAX_TXN_OPS, None), default=DEFAULT_ETCD_MAX_TXN_OPS,
+              show_default=True,
+              help="Must match etcd's --max-txn-ops (`gpupool etcd` uses 1024). A gang's grant and release are one "
+                   "transaction each, with an operation per slice: jobs that would need more than this are rejected.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve Prometheus metrics on this port.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def coordinator(
@@ -65,6 +70,7 @@ def coordinator(
     aging: float,
     preempt_grace: float,
     no_preemption: bool,
+    etcd_max_txn_ops: int,
     metrics_port: int | None,
     log_level: str,
 ) -> None:
@@ -81,11 +87,13 @@ def coordinator(
             aging_s_per_priority=aging,
             preempt_grace_s=preempt_grace,
             allow_preemption=not no_preemption,
+            etcd_max_txn_ops=etcd_max_txn_ops,
         )
     except ConfigError as exc:
         flag = {"ttl_s": "--ttl", "retry_timeout_s": "--retry-timeout", "keepalive_interval_s": "--loop-wait",
                 "overcommit_ratio": "--overcommit-ratio", "min_runtime_s": "--min-runtime",
-                "aging_s_per_priority": "--aging", "preempt_grace_s": "--preempt-grace"}.get(exc.field, exc.field)
+                "aging_s_per_priority": "--aging", "preempt_grace_s": "--preempt-grace",
+                "etcd_max_txn_ops": "--etcd-max-txn-ops"}.get(exc.field, exc.field)
         raise click.BadParameter(str(exc), param_hint=flag) from None
     store = EtcdStore(
         resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=max(1.0, retry_timeout), security=security
@@ -115,7 +123,8 @@ def coordinator(
         click.echo(f"metrics on http://0.0.0.0:{metrics.port}/metrics", err=True)
     click.echo(
         f"coordinator {coord.id} on {store.endpoint} prefix {store.keys.prefix} "
-        f"(ttl {timing.ttl_s:g}s, loop_wait {coord.timing.loop_wait_s:g}s, retry_timeout {timing.retry_timeout_s:g}s)",
+        f"(ttl {timing.ttl_s:g}s, loop_wait {coord.timing.loop_wait_s:g}s, retry_timeout {timing.retry_timeout_s:g}s, "
+        f"etcd_max_txn_ops {etcd_max_txn_ops})",
         err=True,
     )
     try:

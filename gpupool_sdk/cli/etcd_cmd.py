@@ -12,7 +12,7 @@ import click
 
 from gpupool_sdk.cli.common import ENDPOINTS_ENV
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.store.launcher import EtcdServer, EtcdServerTLS
+from gpupool_sdk.store.launcher import LAUNCHER_MAX_TXN_OPS, EtcdServer, EtcdServerTLS
 from gpupool_sdk.store.security import CACERT_ENV
 
 
@@ -37,6 +37,9 @@ def _default_data_dir() -> Path:
 @click.option("--key-file", metavar="PATH", default=None, help="Private key of --cert-file.")
 @click.option("--trusted-ca-file", metavar="PATH", default=None,
               help="Require client certificates signed by this CA (etcd's --client-cert-auth).")
+@click.option("--max-txn-ops", type=click.IntRange(16, None), default=LAUNCHER_MAX_TXN_OPS, show_default=True,
+              help="etcd's cap on operations per transaction (etcd's own default is 128). A gang's grant is one "
+                   "transaction with an operation per slice; give coordinators the same --etcd-max-txn-ops.")
 def etcd(
     port: int,
     peer_port: int | None,
@@ -46,6 +49,7 @@ def etcd(
     cert_file: str | None,
     key_file: str | None,
     trusted_ca_file: str | None,
+    max_txn_ops: int,
 ) -> None:
     """Run a real etcd for one machine, in the foreground until Ctrl-C or SIGTERM.
 
@@ -53,8 +57,11 @@ def etcd(
 
     \b
         $ gpupool etcd --port 2379
-        etcd gpupool ready on 127.0.0.1:2379 (pid ..., data ...)
+        etcd gpupool ready on 127.0.0.1:2379 (pid ..., data ..., --max-txn-ops 1024: ...)
         export GPUPOOL_ENDPOINTS=127.0.0.1:2379
+
+    etcd runs with --max-txn-ops 1024 (etcd's default is 128), so gangs of up to 1020 slices fit
+    in one grant; start the coordinators with the same --etcd-max-txn-ops.
 
     Plaintext by default. With --cert-file and --key-file it serves TLS (https://), and with
     --trusted-ca-file also requires client certificates (mutual TLS):
@@ -75,7 +82,8 @@ def etcd(
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint=f"--{exc.field.replace('_', '-')}") from None
     server = EtcdServer(
-        data_dir=data_dir or _default_data_dir(), client_port=port, peer_port=peer_port, host=host, tls=tls
+        data_dir=data_dir or _default_data_dir(), client_port=port, peer_port=peer_port, host=host, tls=tls,
+        max_txn_ops=max_txn_ops,
     )
     stop = threading.Event()
 
@@ -85,7 +93,10 @@ def etcd(
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start(timeout=timeout)
-        click.echo(f"etcd {server.name} ready on {server.endpoint} (pid {server.pid}, data {server.data_dir})")
+        click.echo(
+            f"etcd {server.name} ready on {server.endpoint} (pid {server.pid}, data {server.data_dir}, "
+            f"--max-txn-ops {max_txn_ops}: start coordinators with --etcd-max-txn-ops {max_txn_ops})"
+        )
         if tls is None:
             click.echo(f"export {ENDPOINTS_ENV}={server.endpoint}", color=False)
         else:

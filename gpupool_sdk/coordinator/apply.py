@@ -20,6 +20,15 @@ What each decision writes (see ``docs/architecture.md``, "The lease protocol"):
   ``checkpoints/{job}`` with the acknowledged checkpoint, ``usage/{job}``.
 * ``Revoke``: ``checkpoints/{job}`` and ``usage/{job}``, then revoke the job's etcd lease.
 * ``Shrink`` (when the scheduler emits it): rewrite the job's allocations with a new memory size.
+
+**etcd's cap on a transaction's size.** etcd refuses a transaction of more than ``--max-txn-ops``
+operations (128 by default). The scheduler rejects jobs that could outgrow it
+(:func:`~gpupool_sdk.scheduler.reject.txn_limit_reason`); the :class:`Applier` counts every plan
+with the same functions before sending it (``SchedulerConfig.etcd_max_txn_ops``). A grant over the
+limit is never split (a grant is all or nothing): it is not sent, and the job is written REJECTED
+with a reason naming both flags. So is a grant etcd itself refuses as too large (etcd runs with a
+lower ``--max-txn-ops`` than the coordinator was told). Any other plan over the limit is logged and
+skipped, and the cycle goes on with the other decisions.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from gpupool_sdk.coordinator.snapshot import JobMeta, PoolState
 from gpupool_sdk.errors import LeaseLostError, StoreError
 from gpupool_sdk.resources import Allocation, Checkpoint, Directive, DirectiveKind, JobState, JobStatus
 from gpupool_sdk.scheduler import types as st
+from gpupool_sdk.scheduler.reject import FENCE_COMPARES, job_txn_ops, txn_limit_message, txn_ops
 from gpupool_sdk.scheduler.types import SchedulerConfig
 from gpupool_sdk.store.codec import encode
 from gpupool_sdk.store.keyspace import Keyspace
@@ -66,16 +76,22 @@ class Plan:
     def empty(self) -> bool:
         return not self.ops and not self.revoke_lease
 
+    @property
+    def txn_ops(self) -> int:
+        """Operations etcd counts against ``--max-txn-ops`` for this plan's fenced transaction."""
+        return txn_ops(len(self.ops), FENCE_COMPARES + len(self.guards))
+
 
 @dataclass
 class ApplyReport:
-    """What one cycle's application did."""
+    """What one cycle's application did (``too_large``: plans over etcd's transaction limit)."""
 
     applied: dict[str, int] = field(default_factory=dict)
     skipped: int = 0
     lost: int = 0
     revoked: int = 0
     granted_jobs: list[str] = field(default_factory=list)
+    too_large: int = 0
 
 
 def _status(
@@ -429,11 +445,25 @@ class Applier:
             (d, plan(d, state, self._ks, self._config, self._usage)) for d in decisions
         ]
         plans += [(None, p) for p in housekeeping(state, self._ks) if p.job not in busy]
+        released: set[str] = set()  # jobs whose Release this batch committed
         for d, p in plans:
             if p.empty:
                 report.skipped += 1
                 continue
-            ok = self._writer.write(p.ops, p.guards) if p.ops else True
+            fitted = self._fit(p, d, state, released, report)
+            if fitted is None:
+                continue
+            p = fitted
+            try:
+                ok = self._writer.write(p.ops, p.guards) if p.ops else True
+            except StoreError as exc:
+                if not _txn_too_large(exc):
+                    raise
+                fitted = self._refused(p, d, state, report)
+                if fitted is None:
+                    continue
+                p = fitted
+                ok = self._writer.write(p.ops, p.guards)
             if not ok:
                 report.lost += 1
                 if self._writer.check():
@@ -443,6 +473,8 @@ class Applier:
             report.applied[p.kind] = report.applied.get(p.kind, 0) + 1
             if p.kind == "Grant":
                 report.granted_jobs.append(p.job)
+            elif p.kind == "Release":
+                released.add(p.job)
             if p.revoke_lease:
                 try:
                     self._revoke(p.revoke_lease)
@@ -453,3 +485,61 @@ class Applier:
                     log.warning("could not revoke lease %x of %s: %s (retried next cycle)", p.revoke_lease, p.job, exc)
             log.info("%s %s: %s", p.kind.lower(), p.job, getattr(d, "reason", "") if d is not None else "deflate done")
         return report
+
+    @property
+    def max_txn_ops(self) -> int:
+        """The coordinator's ``--etcd-max-txn-ops`` (0 = no check before sending)."""
+        return self._config.etcd_max_txn_ops
+
+    def _fit(
+        self, p: Plan, d: st.Decision | None, state: PoolState, released: set[str], report: ApplyReport
+    ) -> Plan | None:
+        """``p`` if it fits etcd's limit; else a slimmer plan, the job's rejection, or None (skip)."""
+        limit = self.max_txn_ops
+        if not limit or p.txn_ops <= limit:
+            return p
+        if p.kind == "Revoke" or (p.kind == "Grant" and p.job in released):
+            # The deletes are redundant here: a revoked lease takes its keys with it, and a
+            # Release this batch committed already deleted the allocations and the directive.
+            slim = replace(p, ops=tuple(o for o in p.ops if not isinstance(o, DeleteOp)))
+            if slim.txn_ops <= limit:
+                return slim
+            p = slim
+        if isinstance(d, st.Grant):
+            n = len(d.slices)
+            reason = txn_limit_message(f"a grant of {n} slices", p.txn_ops, limit, need=max(p.txn_ops, job_txn_ops(n)))
+            return self._reject(p, f"impossible: {reason}", state, report)
+        report.too_large += 1
+        log.error(
+            "%s for %s not sent: it needs %d operations in one etcd transaction, above the coordinator's "
+            "--etcd-max-txn-ops %d; start etcd with --max-txn-ops >= %d and pass the same value to the coordinator",
+            p.kind, p.job, p.txn_ops, limit, p.txn_ops,
+        )
+        return None
+
+    def _refused(self, p: Plan, d: st.Decision | None, state: PoolState, report: ApplyReport) -> Plan | None:
+        """etcd refused ``p`` as too large: its ``--max-txn-ops`` is below the coordinator's setting."""
+        need = max(p.txn_ops, job_txn_ops(len(d.slices))) if isinstance(d, st.Grant) else p.txn_ops
+        reason = (
+            f"etcd refused a transaction of {p.txn_ops} operations (too many operations in txn request): its "
+            f"--max-txn-ops is lower than the coordinator's --etcd-max-txn-ops {self.max_txn_ops}; "
+            f"start etcd with --max-txn-ops >= {need} and pass the same value to the coordinator"
+        )
+        if isinstance(d, st.Grant):
+            return self._reject(p, f"impossible: {reason}", state, report)
+        report.too_large += 1
+        log.error("%s for %s not applied: %s", p.kind, p.job, reason)
+        return None
+
+    def _reject(self, p: Plan, reason: str, state: PoolState, report: ApplyReport) -> Plan | None:
+        """The plan that writes ``p.job`` REJECTED with ``reason`` instead of a grant never sent."""
+        report.too_large += 1
+        log.error("grant to %s not sent, job rejected: %s", p.job, reason)
+        rejection = plan(st.Reject(p.job, reason), state, self._ks, self._config, self._usage)
+        return None if rejection.empty else rejection
+
+
+def _txn_too_large(exc: StoreError) -> bool:
+    # etcd answers INVALID_ARGUMENT "etcdserver: too many operations in txn request" (ErrGRPCTooManyOps);
+    # the store maps it to a plain StoreError that keeps etcd's words.
+    return "too many operations in txn request" in str(exc)

@@ -19,6 +19,11 @@ minimum run times pass without any key changing. Each wake-up:
    ``usage/{job}`` record ends; only a job that ended before the new leader saw it loses what the
    old leader had not flushed yet (at most ``usage_flush_s``).
 
+Every transaction fits etcd's ``--max-txn-ops``: ``SchedulerConfig.etcd_max_txn_ops`` (0 there
+means :data:`DEFAULT_ETCD_MAX_TXN_OPS`, etcd's own default) must match etcd's flag. The scheduler
+rejects gangs that could outgrow it and the applier checks every plan against it (see
+:mod:`~gpupool_sdk.coordinator.apply`); usage flushes are chunked to fit.
+
 SIGTERM (through :meth:`Coordinator.stop`) ends the loop and resigns at once: the leader key is
 deleted under the fence and the lease revoked, so a standby takes over without waiting a TTL.
 """
@@ -48,6 +53,8 @@ from gpupool_sdk.telemetry.usage import UsageLedger, UsageRecord, accrue
 
 log = logging.getLogger(__name__)
 
+# etcd's default --max-txn-ops: the limit assumed when SchedulerConfig.etcd_max_txn_ops is 0.
+DEFAULT_ETCD_MAX_TXN_OPS = 128
 # Usage records of a job are written at most this often while it runs (and at release).
 DEFAULT_USAGE_FLUSH_S = 15.0
 # Usage is accrued at most this often (seconds).
@@ -88,6 +95,7 @@ class CoordinatorStats:
     decisions: int = 0
     applied: dict[str, int] = field(default_factory=dict)
     fenced_out: int = 0
+    too_large: int = 0  # plans over etcd's --max-txn-ops (their grants became rejections)
     terms_won: int = 0
     last_cycle_s: float = 0.0
     last_error: str = ""
@@ -98,7 +106,8 @@ class Coordinator:
 
     Args:
         store: the etcd store (its keyspace is the pool's).
-        config: the scheduler's policy knobs.
+        config: the scheduler's policy knobs; its ``etcd_max_txn_ops`` must match etcd's
+            ``--max-txn-ops`` (0: :data:`DEFAULT_ETCD_MAX_TXN_OPS`, etcd's default).
         timing: TTL, keepalive interval and retry deadline of the coordinator's lease.
         coordinator_id: this replica's id (default ``<hostname>-<pid>``).
         loop_wait_s: time between time-driven cycles and renewals (default
@@ -131,6 +140,8 @@ class Coordinator:
     ) -> None:
         self.store = store
         self.keys = store.keys
+        if config.etcd_max_txn_ops == 0:
+            config = replace(config, etcd_max_txn_ops=DEFAULT_ETCD_MAX_TXN_OPS)  # etcd always has a limit
         self.config = config
         self.timing = ElectionTiming(timing, timing.keepalive_interval_s if loop_wait_s is None else loop_wait_s)
         if scheduler is None:
@@ -321,6 +332,7 @@ class Coordinator:
             self._last_state = state
             # After the writes, so accounting never delays a grant.
             self._account(state)
+            self.stats.too_large += report.too_large
             for kind, n in report.applied.items():
                 self.stats.applied[kind] = self.stats.applied.get(kind, 0) + n
             if any(k in report.applied for k in ("Release", "Revoke")) or time.monotonic() - self._last_flush >= self.usage_flush_s:
@@ -443,8 +455,9 @@ class Coordinator:
             self._last_flush = time.monotonic()
             return
         jobs = sorted(self._ledger_dirty)
-        for i in range(0, len(jobs), 64):  # etcd caps operations per transaction (128 by default)
-            chunk = jobs[i : i + 64]
+        step = max(1, min(64, self.config.etcd_max_txn_ops))  # etcd caps operations per transaction
+        for i in range(0, len(jobs), step):
+            chunk = jobs[i : i + step]
             ops = []
             for job in chunk:
                 rec = self._ledger.get(job)

@@ -161,6 +161,8 @@ class Demo:
             self._gpupool(
                 "coordinator", *common, "--ttl", "3", "--loop-wait", "0.2", "--preempt-grace", "40",
                 "--aging", "100000", "--log-level", "warning",
+                # The same cap as the etcd it runs on (EtcdServer starts etcd with --max-txn-ops).
+                "--etcd-max-txn-ops", str(self.etcd.max_txn_ops or 128),
             ),
         )
         self.say("coordinator", "started (ttl 3s, loop 0.2s)", "cyan")

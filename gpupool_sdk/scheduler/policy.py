@@ -59,7 +59,7 @@ from gpupool_sdk.scheduler.protocol import (
     preempt_deadline,
     target_int,
 )
-from gpupool_sdk.scheduler.reject import PoolClass, reject_reason, summarize
+from gpupool_sdk.scheduler.reject import PoolClass, reject_reason, summarize, txn_limit_reason
 from gpupool_sdk.scheduler.types import (
     Balloon,
     ClusterSnapshot,
@@ -271,7 +271,7 @@ class Scheduler:
             key = req.shape
             if key not in reject_cache:
                 reject_cache[key] = reject_reason(req, pool, config.overcommit_ratio)
-            why = reject_cache[key]
+            why = reject_cache[key] or txn_limit_reason(view.spec, config.etcd_max_txn_ops)
             if why is not None:
                 cyc.decisions.append(Reject(view.name, f"impossible: {why}"))
             else:

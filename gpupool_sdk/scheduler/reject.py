@@ -4,6 +4,12 @@ Judged against every published GPU, healthy or not and cordoned or not (those ma
 so that a job is only rejected for what the hardware lacks: a model that is absent, a feature no
 GPU offers, more memory per slice than any matching GPU has, more slices than matching GPUs
 exist, or ``spread`` over more nodes than the matching GPUs span. An empty pool rejects nothing.
+
+It also rejects a gang whose transactions would exceed etcd's cap on operations per transaction
+(``--max-txn-ops``, 128 by default): the coordinator writes a grant, and later its release, in one
+fenced transaction (all or nothing), so a job may never hold more slices than one transaction can
+carry. The count is :func:`job_txn_ops`; the coordinator's apply step counts with the same
+functions (:func:`txn_ops`, :data:`FENCE_COMPARES`) before it sends a transaction.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gpupool_sdk.resources import GpuInfo, QoS
+from gpupool_sdk.resources import GpuInfo, JobSpec, QoS
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import SliceRequest
 
@@ -86,3 +92,108 @@ def _memory_ok(phys: int, req: SliceRequest, ratio: float) -> bool:
     if req.qos is QoS.SHARED:
         return req.memory <= ratio * phys and req.peak <= phys
     return req.memory <= phys
+
+
+# ---------------------------------------------------------------- etcd transaction size
+#
+# etcd refuses a transaction when max(len(compare), len(success), len(failure)) exceeds its
+# --max-txn-ops ("too many operations in txn request"); compares and operations are capped
+# separately, not summed. What the coordinator's transactions hold (coordinator/apply.py):
+#
+# * compares: the fence (leader key create revision and value) plus one guard per plan (the
+#   job's spec is the same incarnation);
+# * Grant: one put per slice, a delete per allocation the job held and does not keep, a delete of
+#   its directive when it had one, the status put;
+# * Release: a delete per held allocation, checkpoints/{job}, usage/{job}, a delete of the
+#   directive when there is one, the status put;
+# * Revoke: a delete per held allocation, checkpoints/{job}, usage/{job} (then the lease revoke);
+# * Preempt / Resize: the directive and the status; Balloon: the directive; Deflate / Shrink: the
+#   directive (or its delete) and a put per allocation whose size changes.
+
+#: Compares on the leader key in every fenced transaction (``coordinator.fencing.fence_compares``).
+FENCE_COMPARES = 2
+#: Compares a decision's plan adds (``SameIncarnation`` on the job's spec).
+JOB_GUARDS = 1
+#: Operations a release adds to the allocation deletes: checkpoint, usage, directive delete, status.
+RELEASE_EXTRA_OPS = 4
+
+
+def txn_ops(writes: int, compares: int = FENCE_COMPARES + JOB_GUARDS) -> int:
+    """Operations etcd counts against ``--max-txn-ops`` for one transaction (no failure branch).
+
+    Example:
+        >>> txn_ops(131, 3)
+        131
+    """
+    return max(writes, compares)
+
+
+def grant_txn_ops(slices: int, dropped: int = 0, directive: bool = False) -> int:
+    """Operations of a grant of ``slices`` slices to a job that gives up ``dropped`` held allocations.
+
+    Example:
+        >>> grant_txn_ops(130)   # 130 allocation puts + the status
+        131
+    """
+    return txn_ops(slices + dropped + (1 if directive else 0) + 1)
+
+
+def release_txn_ops(held: int, directive: bool = True, usage: bool = True) -> int:
+    """Operations of releasing a job that holds ``held`` slices (``Release``)."""
+    return txn_ops(held + 2 + (1 if directive else 0) + (1 if usage else 0))
+
+
+def job_txn_ops(slices: int) -> int:
+    """The most operations any one transaction about a job holding ``slices`` slices needs.
+
+    Its release after a preemption is the largest: every allocation deleted, plus checkpoint,
+    usage, directive and status (a fresh grant needs ``slices + 1``).
+
+    Example:
+        >>> job_txn_ops(128)
+        132
+    """
+    return max(grant_txn_ops(slices), release_txn_ops(slices, directive=True, usage=True))
+
+
+def max_slices_for(max_txn_ops: int) -> int:
+    """The largest gang whose transactions all fit in ``max_txn_ops`` operations."""
+    return max(0, max_txn_ops - RELEASE_EXTRA_OPS)
+
+
+def txn_limit_message(what: str, ops: int, max_txn_ops: int, need: int | None = None) -> str:
+    """The reason given when a job's transaction would exceed the coordinator's etcd limit.
+
+    Args:
+        what: what needs the transaction (``"a gang of 130 slices"``).
+        ops: operations it needs.
+        max_txn_ops: the coordinator's ``--etcd-max-txn-ops``.
+        need: the value to advise for ``--max-txn-ops`` (default ``ops``).
+    """
+    need = ops if need is None else need
+    return (
+        f"{what} needs {ops} operations in one etcd transaction, above the coordinator's --etcd-max-txn-ops "
+        f"{max_txn_ops}: start etcd with --max-txn-ops >= {need} and pass the same value to the coordinator's "
+        f"--etcd-max-txn-ops (or ask for at most {max_slices_for(max_txn_ops)} slices)"
+    )
+
+
+def txn_limit_reason(spec: JobSpec, max_txn_ops: int) -> str | None:
+    """Why ``spec`` can never be granted under an etcd cap of ``max_txn_ops`` operations (0 = no cap).
+
+    Judged on the most slices the job may ever hold (``max_gpus``: an elastic job grows up to it).
+
+    Example:
+        >>> txn_limit_reason(JobSpec(name="a", gpus=100, memory="1GiB"), 128) is None
+        True
+        >>> txn_limit_reason(JobSpec(name="a", gpus=130, memory="1GiB"), 128)[:46]
+        'a gang of 130 slices needs 134 operations in o'
+    """
+    if max_txn_ops <= 0:
+        return None
+    most = spec.max_gpus or spec.gpus
+    ops = job_txn_ops(most)
+    if ops <= max_txn_ops:
+        return None
+    what = f"a gang of {most} slices" if most == spec.gpus else f"an elastic job growing to max_gpus {most}"
+    return txn_limit_message(what, ops, max_txn_ops)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import Ack, Allocation, Directive, GpuInfo, JobSpec, JobState
 
+#: Smallest etcd ``--max-txn-ops`` the coordinator works with (a one-slice job's release needs 5).
+MIN_ETCD_MAX_TXN_OPS = 16
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -59,6 +62,10 @@ class SchedulerConfig:
             ``min_gpus`` (a ``Resize`` naming it) instead of preempting them whole, when that alone
             makes room and those victims are no more protected than the ones a preemption would
             take. False: elastic victims are preempted whole, like rigid ones.
+        etcd_max_txn_ops: the most operations one etcd transaction may hold (etcd's
+            ``--max-txn-ops``); a job whose grant or release would need more is rejected (see
+            :func:`~gpupool_sdk.scheduler.reject.job_txn_ops`). 0 = no limit (the simulator has no
+            etcd); the coordinator sets it from ``--etcd-max-txn-ops`` (default 128, etcd's default).
     """
 
     overcommit_ratio: float = 1.0
@@ -79,6 +86,7 @@ class SchedulerConfig:
     max_preemption_attempts: int = 32
     spread_idle_above: float = 0.25
     shrink_elastic: bool = True
+    etcd_max_txn_ops: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -115,6 +123,12 @@ class SchedulerConfig:
         if not 0.0 <= self.spread_idle_above <= 1.0:  # NaN fails too
             raise ConfigError(
                 "spread_idle_above", f"must be a fraction in [0, 1] (1 = always pack), got {self.spread_idle_above}"
+            )
+        if self.etcd_max_txn_ops != 0 and self.etcd_max_txn_ops < MIN_ETCD_MAX_TXN_OPS:
+            raise ConfigError(
+                "etcd_max_txn_ops",
+                f"must be 0 (no limit) or >= {MIN_ETCD_MAX_TXN_OPS} (etcd's --max-txn-ops; its default is 128), "
+                f"got {self.etcd_max_txn_ops}",
             )
         if self.max_reservations < 0:
             raise ConfigError("max_reservations", f"must be >= 0, got {self.max_reservations}")

@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 ETCD_BINARY_ENV = "GPUPOOL_ETCD_BINARY"
 ETCDCTL_BINARY_ENV = "GPUPOOL_ETCDCTL_BINARY"
+#: ``--max-txn-ops`` of the etcd this module starts (etcd's own default is 128). A grant or release
+#: is one transaction with an operation per slice, so 128 caps gangs at 124 slices; with 1024 a
+#: coordinator started with ``--etcd-max-txn-ops 1024`` takes gangs of up to 1020 slices.
+LAUNCHER_MAX_TXN_OPS = 1024
 
 
 def _install_hint(program: str, env: str) -> str:
@@ -188,6 +192,8 @@ class EtcdServer:
         die_with_parent: on Linux, etcd is sent SIGTERM when the thread that started it exits,
             so a crashed parent never leaves an orphan. Start it from a long-lived thread.
         tls: serve clients over TLS with these files (None: plaintext).
+        max_txn_ops: etcd's ``--max-txn-ops`` (default :data:`LAUNCHER_MAX_TXN_OPS`; None: etcd's
+            own default, 128). Give the coordinators the same value (``--etcd-max-txn-ops``).
 
     Example:
         >>> server = EtcdServer().start()           # doctest: +SKIP
@@ -206,10 +212,14 @@ class EtcdServer:
         host: str = "127.0.0.1",
         die_with_parent: bool = True,
         tls: EtcdServerTLS | None = None,
+        max_txn_ops: int | None = LAUNCHER_MAX_TXN_OPS,
     ) -> None:
         for field, port in (("client_port", client_port), ("peer_port", peer_port)):
             if port is not None and not 0 < port < 65536:
                 raise EtcdStartError(f"{field}: {port} is not a TCP port; use 1-65535 or None to pick a free one")
+        if max_txn_ops is not None and max_txn_ops < 1:
+            raise ConfigError("max_txn_ops", f"must be >= 1 (etcd's --max-txn-ops) or None for etcd's default, got {max_txn_ops}")
+        self.max_txn_ops = max_txn_ops
         self.name = name
         self.host = host
         self.extra_args = tuple(extra_args)
@@ -278,6 +288,7 @@ class EtcdServer:
             "--initial-cluster-token", f"gpupool-{self.name}",
             "--logger", "zap",
             "--log-level", "warn",
+            *(["--max-txn-ops", str(self.max_txn_ops)] if self.max_txn_ops is not None else []),
             *tls,
             *self.extra_args,
         ]  # fmt: skip
