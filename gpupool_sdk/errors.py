@@ -63,6 +63,10 @@ class LeaseLostError(StoreError):
     """The etcd lease expired or was revoked: everything attached to it is gone."""
 
 
+class TxnTooLargeError(StoreError):
+    """etcd refused a transaction with more operations than its ``--max-txn-ops`` allows."""
+
+
 class CompactedError(StoreError):
     """A watch asked for a revision that etcd has compacted away."""
 

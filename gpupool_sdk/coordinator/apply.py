@@ -40,7 +40,7 @@ from typing import Any
 
 from gpupool_sdk.coordinator.fencing import DeleteOp, FencedWriter, Guard, Op, PutOp, SameIncarnation
 from gpupool_sdk.coordinator.snapshot import JobMeta, PoolState
-from gpupool_sdk.errors import LeaseLostError, StoreError
+from gpupool_sdk.errors import LeaseLostError, StoreError, TxnTooLargeError
 from gpupool_sdk.resources import Allocation, Checkpoint, Directive, DirectiveKind, JobState, JobStatus
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.scheduler.reject import FENCE_COMPARES, job_txn_ops, txn_limit_message, txn_ops
@@ -541,5 +541,5 @@ class Applier:
 
 def _txn_too_large(exc: StoreError) -> bool:
     # etcd answers INVALID_ARGUMENT "etcdserver: too many operations in txn request" (ErrGRPCTooManyOps);
-    # the store maps it to a plain StoreError that keeps etcd's words.
-    return "too many operations in txn request" in str(exc)
+    # the store maps it to TxnTooLargeError.
+    return isinstance(exc, TxnTooLargeError)

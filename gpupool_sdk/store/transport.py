@@ -22,6 +22,7 @@ from gpupool_sdk.errors import (
     StoreError,
     StoreTLSError,
     StoreUnavailableError,
+    TxnTooLargeError,
 )
 from gpupool_sdk.store.endpoints import ENDPOINTS_ENV, parse_endpoints
 from gpupool_sdk.store.security import EtcdSecurity, TlsMaterial, describe
@@ -208,6 +209,10 @@ def map_grpc_error(exc: grpc.RpcError, op: str, endpoint: str, security: EtcdSec
         )
     if token_rejected(exc):
         return StoreAuthError(f"etcd at {endpoint} rejected the auth token during {op} (expired or etcd restarted); retry")
+    if "too many operations in txn request" in details:
+        return TxnTooLargeError(
+            f"etcd at {endpoint} refused {op}: too many operations in one transaction (its --max-txn-ops): {details}"
+        )
     if "lease not found" in details:
         return LeaseLostError(f"{op}: the etcd lease is gone (expired or revoked): {details}")
     if "compacted" in details:

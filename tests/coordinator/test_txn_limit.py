@@ -18,7 +18,7 @@ from gpupool_sdk.coordinator import Coordinator
 from gpupool_sdk.coordinator.apply import Applier, plan
 from gpupool_sdk.coordinator.fencing import DeleteOp, Fence, Guard, Op, PutOp, fence_compares
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
-from gpupool_sdk.errors import ConfigError, StoreError
+from gpupool_sdk.errors import ConfigError, TxnTooLargeError
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
 from gpupool_sdk.resources import Allocation, Directive, DirectiveKind, GiB, JobSpec, JobState, JobStatus, QoS
 from gpupool_sdk.scheduler import Scheduler
@@ -113,7 +113,7 @@ def test_etcd_counts_compares_and_operations_separately(store: EtcdStore, etcd_s
     compares = [Compare(store.keys.root() + f"/c{i}", "create", "==", 0) for i in range(3)]
     puts = [Put(store.keys.root() + f"/k{i}", b"v") for i in range(limit + 1)]
     assert store.txn(compares, puts[:limit]) is True  # 3 compares + 1024 puts: fits
-    with pytest.raises(StoreError, match="too many operations in txn request"):
+    with pytest.raises(TxnTooLargeError, match="too many operations in txn request"):
         store.txn(compares, puts)
 
 
@@ -183,7 +183,7 @@ class RecordingWriter:
 
     def write(self, ops: Sequence[Op], guards: Sequence[Guard] = ()) -> bool:
         if self.refuse_over and txn_ops(len(ops), FENCE_COMPARES + len(guards)) > self.refuse_over:
-            raise StoreError("etcd txn on 127.0.0.1:2379 failed (INVALID_ARGUMENT: etcdserver: too many operations in txn request)")
+            raise TxnTooLargeError("etcd at 127.0.0.1:2379 refused txn: too many operations in one transaction")
         self.txns.append(tuple(ops))
         return True
 
