@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from gpupool_sdk.errors import ConfigError, StoreUnavailableError
+from gpupool_sdk.store.endpoints import ENDPOINTS_ENV, env_endpoints
 from gpupool_sdk.store.security import (
     CACERT_ENV,
     CERT_ENV,
@@ -27,9 +27,6 @@ from gpupool_sdk.store.security import (
     USER_ENV,
     EtcdSecurity,
 )
-
-ENDPOINTS_ENV = "GPUPOOL_ENDPOINTS"
-DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -49,8 +46,8 @@ _sleep = time.sleep
 
 
 def resolve_endpoints(endpoints: str | None) -> str:
-    """``--endpoints`` if given, else ``$GPUPOOL_ENDPOINTS``, else ``127.0.0.1:2379``."""
-    return endpoints or os.environ.get(ENDPOINTS_ENV) or DEFAULT_ENDPOINTS
+    """``--endpoints`` if given, else ``$GPUPOOL_ENDPOINTS``, else ``$ETCDCTL_ENDPOINTS``, else ``127.0.0.1:2379``."""
+    return endpoints or env_endpoints()
 
 
 def endpoints_option(f: F) -> F:

@@ -8,11 +8,19 @@ from collections.abc import Sequence
 from gpupool_sdk.errors import ConfigError
 
 ENDPOINTS_ENV = "GPUPOOL_ENDPOINTS"
+#: etcdctl's variable, read when ``$GPUPOOL_ENDPOINTS`` is not set (as the TLS settings fall back
+#: to ``ETCDCTL_*``): a shell where ``etcdctl`` reaches the pool's etcd works for ``gpupool`` too.
+ETCDCTL_ENDPOINTS_ENV = "ETCDCTL_ENDPOINTS"
 DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 
 
+def env_endpoints() -> str:
+    """``$GPUPOOL_ENDPOINTS``, else ``$ETCDCTL_ENDPOINTS``, else ``127.0.0.1:2379``."""
+    return os.environ.get(ENDPOINTS_ENV) or os.environ.get(ETCDCTL_ENDPOINTS_ENV) or DEFAULT_ENDPOINTS
+
+
 def parse_endpoints(endpoints: str | Sequence[str] | None) -> tuple[str, ...]:
-    """Normalise ``"h1:p1,h2:p2"`` (or a list, or None: ``$GPUPOOL_ENDPOINTS``, else ``127.0.0.1:2379``).
+    """Normalise ``"h1:p1,h2:p2"`` (or a list, or None: :func:`env_endpoints`).
 
     An ``http://`` or ``https://`` scheme is dropped here; :func:`endpoints_scheme` reads it
     (``https://`` switches TLS on, see :mod:`gpupool_sdk.store.security`).
@@ -21,7 +29,7 @@ def parse_endpoints(endpoints: str | Sequence[str] | None) -> tuple[str, ...]:
         ConfigError: an endpoint is not ``host:port``; names ``endpoints`` and the fix.
     """
     if endpoints is None:
-        endpoints = os.environ.get(ENDPOINTS_ENV) or DEFAULT_ENDPOINTS
+        endpoints = env_endpoints()
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     out: list[str] = []
     for raw in items:
@@ -52,7 +60,7 @@ def endpoints_scheme(endpoints: str | Sequence[str] | None) -> str | None:
         ConfigError: some endpoints say ``https://`` and others ``http://``.
     """
     if endpoints is None:
-        endpoints = os.environ.get(ENDPOINTS_ENV) or DEFAULT_ENDPOINTS
+        endpoints = env_endpoints()
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     schemes = {ep.strip().split("://", 1)[0].lower() for ep in items if "://" in ep}
     if len(schemes) > 1:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from gpupool_sdk.cli.common import resolve_endpoints
 from gpupool_sdk.errors import ConfigError, GpupoolError, LeaseLostError, SchemaError, StoreUnavailableError
 from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.store import Compare, Delete, EtcdStore, Keyspace, Put
@@ -177,7 +178,14 @@ def test_bad_endpoints_name_the_field(endpoints: str, field: str) -> None:
 
 def test_endpoints_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUPOOL_ENDPOINTS", "http://a:1, b:2,a:1")
+    monkeypatch.setenv("ETCDCTL_ENDPOINTS", "c:3")
     assert EtcdStore().endpoints == ("a:1", "b:2")
+    # etcdctl's variable is the fallback, as for the TLS settings; then the loopback default.
+    monkeypatch.delenv("GPUPOOL_ENDPOINTS")
+    assert EtcdStore().endpoints == ("c:3",)
+    assert resolve_endpoints(None) == "c:3" and resolve_endpoints("d:4") == "d:4"
+    monkeypatch.delenv("ETCDCTL_ENDPOINTS")
+    assert EtcdStore().endpoints == ("127.0.0.1:2379",)
 
 
 def test_compare_validates_arguments() -> None:
