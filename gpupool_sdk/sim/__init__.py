@@ -1,4 +1,4 @@
-"""Trace-driven simulator: the pool's pure scheduler against FIFO, Tiresias and best-fit.
+"""Trace-driven simulator: the pool's pure scheduler against FIFO, Tiresias, best-fit and Gandiva.
 
 Example:
     >>> from gpupool_sdk.sim import load_trace, run_simulation  # doctest: +SKIP
@@ -9,12 +9,13 @@ Example:
 See ``docs/simulation.md`` for the model, the policies, the metrics and the results.
 """
 
-from gpupool_sdk.sim.baselines import BestFitPolicy, FifoPolicy, TiresiasPolicy
+from gpupool_sdk.sim.baselines import BestFitPolicy, FifoPolicy, GandivaPolicy, TiresiasPolicy
 from gpupool_sdk.sim.engine import SimConfig, SimResult, SimulationError, Simulator
 from gpupool_sdk.sim.metrics import compute_metrics, percentile
 from gpupool_sdk.sim.pool_policy import PoolMapping, PoolPolicy
 from gpupool_sdk.sim.runner import (
     DEFAULT_POOL_CONFIG,
+    GandivaSettings,
     SimReport,
     make_policy,
     render_table,
@@ -28,6 +29,8 @@ __all__ = [
     "DEFAULT_POOL_CONFIG",
     "BestFitPolicy",
     "FifoPolicy",
+    "GandivaPolicy",
+    "GandivaSettings",
     "PoolMapping",
     "PoolPolicy",
     "Profile",
