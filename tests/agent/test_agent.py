@@ -9,10 +9,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
+from testkit import wait_for
 
 from gpupool_sdk.agent import NodeAgent, publishable, run_agents
 from gpupool_sdk.config import LeaseTiming
@@ -22,17 +21,6 @@ from gpupool_sdk.resources import GpuHealth, GpuInfo, NodeInfo
 from gpupool_sdk.store.codec import decode
 
 TIMING = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
-
-
-def wait_for(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -113,7 +101,7 @@ def test_an_expired_claim_is_taken_over(store, agents, caplog):
     store.revoke_lease(old_lease)  # its keys vanish with it; write a stale node key by hand on a dead lease
     dead = store.grant_lease(1)
     _claim(store, dead, "other-host", 4242)
-    wait_for(lambda: store.lease_info(dead) is None, "the 1 s lease to expire", timeout=30)
+    wait_for(lambda: store.lease_info(dead) is None, what="the 1 s lease to expire")
     a = make(store, agents)
     with caplog.at_level(logging.WARNING, logger="gpupool_sdk.agent.agent"):
         lease = a.start()
@@ -145,7 +133,7 @@ def test_take_over_replaces_a_live_agent_which_then_stops(store, agents):
     assert {kv.lease for kv in keys_of(store).values()} == {lease}
     # The first agent notices at its next refresh and stops instead of rewriting the node.
     with pytest.raises(NodeClaimedError, match="node n was taken over by the agent with pid 4343 on host-b"):
-        wait_for(lambda: first.tick() and False, "the first agent to notice", timeout=30)
+        wait_for(lambda: first.tick() and False, what="the first agent to notice")
     assert {kv.lease for kv in keys_of(store).values()} == {lease}
 
 
@@ -168,7 +156,7 @@ def test_lost_lease_re_registers(store, agents):
         a.tick()
         return a.registered and a.lease_id not in (None, old) and len(keys_of(store)) == 5
 
-    wait_for(ticked_back, "the agent to register again")
+    wait_for(ticked_back, what="the agent to register again")
     assert a.registrations == 2
     # the old lease's keeper reporting its loss late does not unsettle the new registration
     time.sleep(TIMING.keepalive_interval_s * 3)
@@ -185,7 +173,7 @@ def test_backend_failure_is_logged_not_raised(store, agents, caplog):
 
     a.backend.gpus = broken  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING, logger="gpupool_sdk.agent.agent"):
-        wait_for(lambda: a.tick() > 0 and "NVML exploded" in caplog.text, "the failure to be logged")
+        wait_for(lambda: a.tick() > 0 and "NVML exploded" in caplog.text, what="the failure to be logged")
     assert a.registered
     assert len(keys_of(store)) == 5  # what was published stays published
 
