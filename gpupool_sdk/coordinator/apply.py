@@ -456,9 +456,7 @@ class Applier:
             p = fitted
             try:
                 ok = self._writer.write(p.ops, p.guards) if p.ops else True
-            except StoreError as exc:
-                if not _txn_too_large(exc):
-                    raise
+            except TxnTooLargeError:
                 fitted = self._refused(p, d, state, report)
                 if fitted is None:
                     continue
@@ -538,8 +536,3 @@ class Applier:
         rejection = plan(st.Reject(p.job, reason), state, self._ks, self._config, self._usage)
         return None if rejection.empty else rejection
 
-
-def _txn_too_large(exc: StoreError) -> bool:
-    # etcd answers INVALID_ARGUMENT "etcdserver: too many operations in txn request" (ErrGRPCTooManyOps);
-    # the store maps it to TxnTooLargeError.
-    return isinstance(exc, TxnTooLargeError)
