@@ -59,7 +59,7 @@ from gpupool_sdk.scheduler.protocol import (
     preempt_deadline,
     target_int,
 )
-from gpupool_sdk.scheduler.reject import PoolClass, reject_reason, summarize, txn_limit_reason
+from gpupool_sdk.scheduler.reject import PoolClass, reject_reason, slice_cap, summarize, txn_limit_reason
 from gpupool_sdk.scheduler.types import (
     Balloon,
     ClusterSnapshot,
@@ -248,7 +248,8 @@ class Scheduler:
             view = snapshot.jobs[name]
             if name in proto.requeued:
                 target = proto.requeued[name]
-                pending.append((view, max(view.spec.min_gpus or 1, min(target, view.spec.max_gpus or target))))
+                cap = slice_cap(view.spec, config.etcd_max_txn_ops)
+                pending.append((view, max(view.spec.min_gpus or 1, min(target, cap))))
             elif view.state is JobState.PENDING and not view.allocations and name not in cyc.busy:
                 pending.append((view, None))
 
@@ -267,6 +268,8 @@ class Scheduler:
         reject_cache: dict[tuple[object, ...], str | None] = {}
         live: list[tuple[JobView, SliceRequest]] = []
         for view, count in pending:
+            if count is None:
+                count = min(view.spec.gpus, slice_cap(view.spec, config.etcd_max_txn_ops))
             req = request_for(view, config, count)
             key = req.shape
             if key not in reject_cache:
@@ -562,7 +565,7 @@ class Scheduler:
         reason = f"granted {_count(len(slices), 'slice')} on {', '.join(nodes)}"
         if len(slices) < view.spec.gpus:
             reason += f" (elastic: {len(slices)} of {view.spec.gpus} wanted)"
-        if len(slices) < (view.spec.max_gpus or view.spec.gpus):
+        if len(slices) < slice_cap(view.spec, cyc.config.etcd_max_txn_ops):
             cyc.fresh[view.name] = (len(cyc.decisions), req)
         cyc.decisions.append(Grant(view.name, slices, reason))
         cyc.actions += 1
@@ -672,7 +675,7 @@ class Scheduler:
                 if d is None or d.kind is not DirectiveKind.RESIZE:
                     continue
                 have = len(view.allocations)
-                target = min(target_int(d, "gpus", have), view.spec.max_gpus or view.spec.gpus)
+                target = min(target_int(d, "gpus", have), slice_cap(view.spec, config.etcd_max_txn_ops))
                 if target <= have:
                     continue  # a shrink needs no room
                 req = replace(request_for(view, config, target), min_count=have + 1)
@@ -694,7 +697,7 @@ class Scheduler:
             grant = cyc.decisions[idx]
             assert isinstance(grant, Grant) and grant.job == name
             have = len(grant.slices)
-            max_g = jobs[name].spec.max_gpus or jobs[name].spec.gpus
+            max_g = slice_cap(jobs[name].spec, cyc.config.etcd_max_txn_ops)
             big = replace(req, count=max_g, min_count=have + 1)
             old = ledger.unreserve(name)
             gpus = place(ledger, big)
@@ -727,7 +730,7 @@ class Scheduler:
             if cyc.actions >= config.max_decisions:
                 return
             have = len(view.allocations)
-            max_g = view.spec.max_gpus or view.spec.gpus
+            max_g = slice_cap(view.spec, cyc.config.etcd_max_txn_ops)
             if view.state is not JobState.GRANTED or view.directive is not None or view.name in cyc.busy:
                 continue
             if have == 0 or have >= max_g or (view.granted_at is not None and view.granted_at >= now):

@@ -161,6 +161,19 @@ def max_slices_for(max_txn_ops: int) -> int:
     return max(0, max_txn_ops - RELEASE_EXTRA_OPS)
 
 
+def slice_cap(spec: JobSpec, max_txn_ops: int) -> int:
+    """The most slices ``spec`` may hold: ``max_gpus`` (else ``gpus``), capped so that every
+    transaction about the job fits etcd's ``max_txn_ops`` (0 = no cap). An elastic job asking
+    more than the cap is placed and grown up to it, not rejected (see :func:`txn_limit_reason`).
+
+    Example:
+        >>> slice_cap(JobSpec(name="a", gpus=64, min_gpus=32, max_gpus=256, memory="1GiB"), 128)
+        124
+    """
+    most = spec.max_gpus or spec.gpus
+    return most if max_txn_ops <= 0 else min(most, max_slices_for(max_txn_ops))
+
+
 def txn_limit_message(what: str, ops: int, max_txn_ops: int, need: int | None = None) -> str:
     """The reason given when a job's transaction would exceed the coordinator's etcd limit.
 
@@ -181,19 +194,22 @@ def txn_limit_message(what: str, ops: int, max_txn_ops: int, need: int | None = 
 def txn_limit_reason(spec: JobSpec, max_txn_ops: int) -> str | None:
     """Why ``spec`` can never be granted under an etcd cap of ``max_txn_ops`` operations (0 = no cap).
 
-    Judged on the most slices the job may ever hold (``max_gpus``: an elastic job grows up to it).
+    Judged on the fewest slices the job accepts (``min_gpus``): an elastic job whose minimum fits
+    is granted and grown up to :func:`slice_cap` instead.
 
     Example:
         >>> txn_limit_reason(JobSpec(name="a", gpus=100, memory="1GiB"), 128) is None
         True
         >>> txn_limit_reason(JobSpec(name="a", gpus=130, memory="1GiB"), 128)[:46]
         'a gang of 130 slices needs 134 operations in o'
+        >>> txn_limit_reason(JobSpec(name="a", gpus=130, min_gpus=64, memory="1GiB"), 128) is None
+        True
     """
     if max_txn_ops <= 0:
         return None
-    most = spec.max_gpus or spec.gpus
-    ops = job_txn_ops(most)
+    least = spec.min_gpus or spec.gpus
+    ops = job_txn_ops(least)
     if ops <= max_txn_ops:
         return None
-    what = f"a gang of {most} slices" if most == spec.gpus else f"an elastic job growing to max_gpus {most}"
+    what = f"a gang of {least} slices" if least == spec.gpus else f"an elastic job needing at least min_gpus {least}"
     return txn_limit_message(what, ops, max_txn_ops)

@@ -9,6 +9,7 @@ slice, so the count decides the largest gang; :mod:`gpupool_sdk.scheduler.reject
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -140,7 +141,10 @@ def test_coordinator_assumes_etcds_default_when_unset(store: EtcdStore) -> None:
         (JobSpec(name="a", gpus=200, memory="1GiB"), 128, 204),
         (JobSpec(name="a", gpus=200, memory="1GiB"), 1024, None),
         (JobSpec(name="a", gpus=200, memory="1GiB"), 0, None),
-        (JobSpec(name="a", gpus=100, max_gpus=130, memory="1GiB"), 128, 134),  # it may grow to 130
+        # Elastic: judged on min_gpus; a job that may grow past the cap is capped, not rejected.
+        (JobSpec(name="a", gpus=100, max_gpus=130, memory="1GiB"), 128, None),
+        (JobSpec(name="a", gpus=130, min_gpus=64, memory="1GiB"), 128, None),
+        (JobSpec(name="a", gpus=200, min_gpus=130, memory="1GiB"), 128, 134),
     ],
 )
 def test_txn_limit_reason(spec: JobSpec, limit: int, ops: int | None) -> None:
@@ -149,6 +153,8 @@ def test_txn_limit_reason(spec: JobSpec, limit: int, ops: int | None) -> None:
         assert why is None
     else:
         assert why is not None
+        if spec.min_gpus != spec.gpus:
+            assert why.startswith(f"an elastic job needing at least min_gpus {spec.min_gpus}")
         assert f"needs {ops} operations" in why
         assert f"--etcd-max-txn-ops {limit}" in why and f"--max-txn-ops >= {ops}" in why
 
@@ -169,6 +175,33 @@ def test_scheduler_rejects_the_oversized_gang_and_grants_the_rest() -> None:
     # No limit (the simulator): the gang is placed.
     unlimited = Scheduler(st.SchedulerConfig()).schedule(_state([("big", 130, 0)]).snapshot)
     assert [type(d).__name__ for d in unlimited] == ["Grant"]
+
+
+def test_elastic_job_above_the_cap_is_granted_and_grown_up_to_it() -> None:
+    # 136 GPUs, etcd cap 128 ops -> at most 124 slices. An elastic job asking 130 (min 64, max 200)
+    # is granted 124 slices, never more, and is not grown past the cap on the next cycle.
+    state = _state([("el", 130, 0)])
+    spec = JobSpec(name="el", gpus=130, min_gpus=64, max_gpus=200, memory="1GiB")
+    jobs = {**state.snapshot.jobs, "el": replace(state.snapshot.jobs["el"], spec=spec)}
+    snap = replace(state.snapshot, jobs=jobs)
+    sched = Scheduler(st.SchedulerConfig(etcd_max_txn_ops=128))
+    (grant,) = sched.schedule(snap)
+    assert isinstance(grant, st.Grant) and len(grant.slices) == 124
+    assert job_txn_ops(len(grant.slices)) <= 128
+    held = replace(
+        jobs["el"],
+        state=JobState.GRANTED,
+        granted_at=NOW - 600.0,
+        allocations=tuple(
+            Allocation("el", s.node, s.gpu_uuid, s.gpu_index, s.memory_bytes, 1.0, QoS.GUARANTEED, 4, NOW - 600.0)
+            for s in grant.slices
+        ),
+    )
+    later = replace(snap, now=NOW + 60.0, jobs={"el": held})
+    assert [d for d in sched.schedule(later) if isinstance(d, st.Resize)] == []
+    # Without a cap it takes all 136 GPUs (its 130 at once, grown toward 200 in the same cycle).
+    (free,) = Scheduler(st.SchedulerConfig()).schedule(snap)
+    assert isinstance(free, st.Grant) and len(free.slices) == 136
 
 
 # ------------------------------------------------------------------ the applier's check
