@@ -693,24 +693,9 @@ class Simulator:
         job = self._job(name, name)
         if job.state != RUNNING:
             return
-        self._advance(job)
         self.preemptions += 1
         job.preemptions += 1
-        job.state = PREEMPTING
-        job.directive_seq += 1
-        job.directive_kind = "preempt"
-        job.directive_deadline = deadline
-        job.directive_for = for_job
-        job.directive_keep = ()
-        job.acked = False
-        job.version += 1
-        self._changed(job)
-        self._refresh(set(job.gpus), (job,))
-        if self._suspend_s is not None:
-            ckpt = self._suspend_s
-        else:
-            ckpt = self.config.checkpoint_s if job.checkpoint_s is None else job.checkpoint_s
-        self._push(self.now + ckpt, _ACK, job.index, job.directive_seq)
+        self._stop_at_checkpoint(job, "preempt", deadline, for_job, (), self._suspend_s)
 
     def _resize(self, d: Resize) -> None:
         """Start a resize: the job checkpoints (no progress) and acks; it is re-granted at the ack."""
@@ -718,23 +703,30 @@ class Simulator:
         if job.state != RUNNING:
             return
         self._check_count("Resize", job, d.gpus)
-        self._advance(job)
         self.resizes += 1
         job.resizes += 1
-        job.state = PREEMPTING
-        job.directive_seq += 1
-        job.directive_kind = "resize"
-        job.directive_deadline = d.deadline
         job.directive_target = d.gpus
         # A shrink for a pending job: the scheduler holds the freed GPUs for it and re-grants the kept ones.
-        job.directive_for = d.for_job
-        job.directive_keep = d.keep
+        self._stop_at_checkpoint(job, "resize", d.deadline, d.for_job, d.keep, None)
+
+    def _stop_at_checkpoint(
+        self, job: SimJob, kind: str, deadline: float, for_job: str | None, keep: tuple[str, ...], cost_s: float | None
+    ) -> None:
+        """A preempt or resize directive: no progress until the ack, ``cost_s`` later (default: the checkpoint)."""
+        self._advance(job)
+        job.state = PREEMPTING
+        job.directive_seq += 1
+        job.directive_kind = kind
+        job.directive_deadline = deadline
+        job.directive_for = for_job
+        job.directive_keep = keep
         job.acked = False
         job.version += 1
         self._changed(job)
         self._refresh(set(job.gpus), (job,))
-        ckpt = self.config.checkpoint_s if job.checkpoint_s is None else job.checkpoint_s
-        self._push(self.now + ckpt, _ACK, job.index, job.directive_seq)
+        if cost_s is None:
+            cost_s = self.config.checkpoint_s if job.checkpoint_s is None else job.checkpoint_s
+        self._push(self.now + cost_s, _ACK, job.index, job.directive_seq)
 
     def _balloon(self, d: Balloon) -> None:
         job = self._job(d.job, d)
