@@ -7,15 +7,21 @@ a ``conftest`` module and the first one imported wins.
 * ``wait_for``: poll a condition with a generous bound, failing with what was awaited.
 * ``dump_logs_if_failed``: print the tail of the process logs of a failed test (needs the
   ``pytest_runtest_makereport`` hook of ``tests/conftest.py``).
+* ``stop_groups``: SIGTERM the process groups of processes started with
+  ``start_new_session=True``, then SIGKILL the ones still there after a grace period.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -40,3 +46,18 @@ def dump_logs_if_failed(request: pytest.FixtureRequest, log_dir: Path, tail_char
     if rep is not None and rep.failed:
         for f in sorted(log_dir.glob("*.log")):
             sys.stderr.write(f"\n----- {f.name} (tail) -----\n{f.read_text(errors='replace')[-tail_chars:]}\n")
+
+
+def stop_groups(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:
+    """SIGTERM every live process group in ``procs`` (last started first), wait ``grace_s`` each, SIGKILL the rest."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)

@@ -8,9 +8,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -18,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from testkit import dump_logs_if_failed
+from testkit import dump_logs_if_failed, stop_groups
 from testkit import wait_for as shared_wait_for
 
 from gpupool_sdk.resources import Allocation, JobState, JobStatus
@@ -106,17 +104,7 @@ class LivePool:
             raise AssertionError(f"{label} did not exit within {timeout:g}s; log:\n{self.log(label)[-4000:]}") from None
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+        stop_groups(self.procs, grace_s=10)
         try:
             self.store.delete_prefix(self.keys.root())
         finally:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from testkit import wait_for
+from testkit import stop_groups, wait_for
 
 from gpupool_sdk.errors import ConfigError, StoreAuthError, StoreTLSError, StoreUnavailableError
 from gpupool_sdk.resources import Allocation
@@ -428,17 +428,7 @@ def test_pool_client_acquires_a_lease_over_mutual_tls_from_the_environment(
         if trainer is not None and trainer.poll() is None:
             trainer.kill()
             trainer.wait()
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+        stop_groups(procs, grace_s=15)
         with contextlib.suppress(Exception):
             store.delete_prefix(prefix + "/")
         store.close()
