@@ -699,13 +699,9 @@ class Scheduler:
             have = len(grant.slices)
             max_g = slice_cap(jobs[name].spec, cyc.config.etcd_max_txn_ops)
             big = replace(req, count=max_g, min_count=have + 1)
-            old = ledger.unreserve(name)
-            gpus = place(ledger, big)
-            if gpus is None or len(gpus) <= have:
-                ledger.restore(name, old)
+            held = _regrow(ledger, name, big, have)
+            if held is None:
                 continue
-            held = holdings_for(ledger, big, gpus)
-            ledger.reserve(name, held, req.anti_affinity)
             slices = self._slices(ledger, held)
             nodes = sorted({s.node for s in slices})
             why = "nothing queued" if cyc.queued == 0 else "no queued job can use them"
@@ -737,22 +733,32 @@ class Scheduler:
                 continue
             req = request_for(view, config, max_g)
             req = replace(req, min_count=min(have + 1, req.count))
-            old = ledger.unreserve(view.name)
-            gpus = place(ledger, req)
-            if gpus is None or len(gpus) <= have:
-                ledger.restore(view.name, old)
+            held = _regrow(ledger, view.name, req, have)
+            if held is None:
                 continue
-            ledger.reserve(view.name, holdings_for(ledger, req, gpus))
             cyc.decisions.append(
                 Resize(
                     view.name,
-                    len(gpus),
-                    f"{why}: grow from {have} to {len(gpus)} GPU(s) (max {max_g})",
+                    len(held),
+                    f"{why}: grow from {have} to {len(held)} GPU(s) (max {max_g})",
                     deadline=preempt_deadline(view, now, config),
                 )
             )
             cyc.busy.add(view.name)
             cyc.actions += 1
+
+
+def _regrow(ledger: Ledger, name: str, req: SliceRequest, have: int) -> list[Holding] | None:
+    """Re-place ``name`` with ``req`` (more than ``have`` slices) in place of what it holds; its
+    new holdings are reserved, or None (and its old ones kept) when no larger placement exists."""
+    old = ledger.unreserve(name)
+    gpus = place(ledger, req)
+    if gpus is None or len(gpus) <= have:
+        ledger.restore(name, old)
+        return None
+    held = holdings_for(ledger, req, gpus)
+    ledger.reserve(name, held, req.anti_affinity)
+    return held
 
 
 def _worth_trying(known: tuple[int, float] | None, frees: int, prio: float) -> bool:
