@@ -1,4 +1,4 @@
-"""Sizes with units: ``"24GiB"``, ``"512MiB"``, ``"1.5GB"`` or a plain number of bytes."""
+"""Sizes with units: ``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, Kubernetes quantities (``"20Gi"``, ``"512Mi"``) or bytes."""
 
 from __future__ import annotations
 
@@ -18,15 +18,19 @@ _UNITS = {
     "K": 1000,
     "KB": 1000,
     "KIB": KiB,
+    "KI": KiB,
     "M": 1000**2,
     "MB": 1000**2,
     "MIB": MiB,
+    "MI": MiB,
     "G": 1000**3,
     "GB": 1000**3,
     "GIB": GiB,
+    "GI": GiB,
     "T": 1000**4,
     "TB": 1000**4,
     "TIB": TiB,
+    "TI": TiB,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
@@ -35,7 +39,8 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
     """Parse a memory size into bytes.
 
     Args:
-        value: ``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"80G"`` (decimal), or a number of bytes.
+        value: ``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"80G"`` (decimal), a Kubernetes quantity
+            (``"20Gi"``, ``"512Mi"``: binary, as ``GiB``/``MiB``), or a number of bytes.
         field: the name reported in the error when ``value`` is malformed.
 
     Returns:
@@ -46,6 +51,8 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
 
     Example:
         >>> parse_size("2GiB")
+        2147483648
+        >>> parse_size("2Gi")
         2147483648
     """
     if isinstance(value, bool):
@@ -64,7 +71,7 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
     number, unit = float(m.group(1)), m.group(2).upper()
     if unit not in _UNITS:
         raise SpecError(
-            field, f"unknown unit {m.group(2)!r} in {value!r}; use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
+            field, f"unknown unit {m.group(2)!r} in {value!r}; use B, KiB, MiB, GiB, TiB (or Ki, Mi, Gi, Ti as in Kubernetes; KB, MB, GB, TB decimal)"
         )
     return int(number * _UNITS[unit])
 

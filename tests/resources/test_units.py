@@ -13,6 +13,11 @@ from gpupool_sdk.resources.units import GiB, MiB, format_size, parse_size
         ("1.5GiB", int(1.5 * GiB)),
         ("80GB", 80 * 10**9),
         ("80G", 80 * 10**9),
+        # Kubernetes quantities: Ki/Mi/Gi/Ti are binary, as in a pod's resources.limits.
+        ("20Gi", 20 * GiB),
+        ("512Mi", 512 * MiB),
+        ("1Ti", 1024 * GiB),
+        ("64Ki", 64 * 1024),
         ("1024", 1024),
         (4096, 4096),
         (0, 0),
@@ -22,7 +27,7 @@ def test_parse_size(value, expected):
     assert parse_size(value) == expected
 
 
-@pytest.mark.parametrize("value", ["", "GiB", "12 parsecs", "-1GiB", -5, "1e3GB", True, None, [1]])
+@pytest.mark.parametrize("value", ["", "GiB", "12 parsecs", "-1GiB", -5, "1e3GB", "1Ei", True, None, [1]])
 def test_parse_size_rejects_and_names_the_field(value):
     with pytest.raises(SpecError) as err:
         parse_size(value, field="memory")
