@@ -50,8 +50,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from gpupool_lightning import GpuPoolCallback
 from gpupool_sdk.client import PoolClient
-from gpupool_sdk.integrations.lightning import GpuPoolCallback
 from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.store.launcher import EtcdServer
 

@@ -16,9 +16,10 @@ import sys
 import pytorch_lightning as pl
 import torch
 
+from gpupool_lightning import GpuPoolCallback
+
 # The model and data, the command line and the result lines are shared with `gpupool demo`'s job.
-from gpupool_sdk.demo.job import TinyRegressor, job_arguments, report_result
-from gpupool_sdk.integrations.lightning import GpuPoolCallback
+from gpupool_lightning.demo.job import TinyRegressor, job_arguments, report_result
 
 
 def main(argv: list[str] | None = None) -> int:

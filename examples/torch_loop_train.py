@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from gpupool_sdk.integrations.torch_loop import PoolSession
 from gpupool_sdk.telemetry.phases import Phase
+from gpupool_torch import PoolSession
 
 
 def main(argv: list[str] | None = None) -> int:

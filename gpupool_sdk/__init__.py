@@ -1,8 +1,10 @@
 """gpupool-sdk: an elastic GPU pool for deep-learning training, delivered as a Python SDK.
 
 The training process leases GPU slices through etcd (:class:`PoolClient`), the coordinator
-schedules them, and the Lightning callback (:mod:`gpupool_sdk.integrations.lightning`)
-checkpoints and releases cooperatively when the pool needs the slices elsewhere.
+schedules them, and the framework adapters (the ``gpupool-lightning`` and ``gpupool-torch``
+distributions: ``gpupool_lightning.GpuPoolCallback``, ``gpupool_torch.PoolSession``) checkpoint and
+release cooperatively when the pool needs the slices elsewhere. This package imports neither
+torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from gpupool_sdk.errors import GpupoolError
 from gpupool_sdk.resources import JobSpec, QoS, Topology
 
 __version__ = "0.1.0"
-__all__ = ["GpuPoolCallback", "GpupoolError", "JobSpec", "PoolClient", "PoolSession", "QoS", "Topology", "__version__"]
+__all__ = ["GpupoolError", "JobSpec", "PoolClient", "QoS", "Topology", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,12 +24,4 @@ def __getattr__(name: str) -> Any:
         from gpupool_sdk.client import PoolClient
 
         return PoolClient
-    if name == "GpuPoolCallback":  # imports Lightning: only when asked for
-        from gpupool_sdk.integrations.lightning import GpuPoolCallback
-
-        return GpuPoolCallback
-    if name == "PoolSession":
-        from gpupool_sdk.integrations.torch_loop import PoolSession
-
-        return PoolSession
     raise AttributeError(f"module 'gpupool_sdk' has no attribute {name!r}")

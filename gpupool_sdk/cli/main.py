@@ -22,7 +22,7 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("gpupool_sdk.cli.ops_cmd", "undrain"),
     ("gpupool_sdk.cli.top_cmd", "top"),
     ("gpupool_sdk.cli.run_cmd", "run"),
-    ("gpupool_sdk.cli.demo_cmd", "demo"),
+    ("gpupool_lightning.demo.cli", "demo"),
     ("gpupool_sdk.cli.simulate_cmd", "simulate"),
     ("gpupool_sdk.cli.metrics_cmd", "metrics"),
 )
@@ -43,6 +43,39 @@ for _module, _attr in _COMMANDS:
             raise
         continue
     cli.add_command(getattr(_mod, _attr))
+
+
+#: Entry-point group through which other distributions add commands (``gpupool-lightning`` adds
+#: ``demo``), so that the core stays free of torch and Lightning.
+PLUGIN_GROUP = "gpupool.commands"
+
+#: Commands that live in another distribution, and the install line that brings them.
+_PLUGIN_HINTS = {"demo": "pip install gpupool-lightning  (from this repository: pip install -e integrations/lightning)"}
+
+
+def _load_plugins() -> None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=PLUGIN_GROUP):
+        if ep.name in cli.commands:
+            continue
+        cli.add_command(ep.load(), ep.name)
+    for name, install in _PLUGIN_HINTS.items():
+        if name not in cli.commands:
+            cli.add_command(_missing_plugin(name, install))
+
+
+def _missing_plugin(name: str, install: str) -> click.Command:
+    @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                   add_help_option=False)
+    def missing() -> None:
+        raise click.UsageError(f"`gpupool {name}` comes with another package that is not installed: {install}")
+
+    missing.help = f"(not installed: {install})"
+    return missing
+
+
+_load_plugins()
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """``gpupool run [spec options] -- python train.py ...``: queue, run on the grant, re-run after preemption.
 
 **Decision:** the launcher holds the job's lease and the script attaches to it over a local
-Unix socket (``$GPUPOOL_RUN_SOCKET``; see :mod:`gpupool_sdk.integrations.run_channel`), so the
+Unix socket (``$GPUPOOL_RUN_SOCKET``; see :mod:`gpupool_sdk.runtime.run_channel`), so the
 script's ``GpuPoolCallback``/``PoolSession`` never submits a second spec. After the script exits
 with 75 (preempted, checkpointed) or the lease is lost, the launcher releases what is left,
 queues again under the same job name and re-runs the script, which resumes from the job's last
@@ -29,7 +29,8 @@ import click
 
 from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.integrations._core import (
+from gpupool_sdk.resources import JobSpec
+from gpupool_sdk.runtime.runtime import (
     CKPT_DIR_ENV,
     DEVICES_ENV,
     EX_TEMPFAIL,
@@ -40,7 +41,6 @@ from gpupool_sdk.integrations._core import (
     _visible_devices,
     derive_job_name,
 )
-from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.store.security import EtcdSecurity
 
 
@@ -142,7 +142,7 @@ def run_job(
         The exit code for the launcher.
     """
     from gpupool_sdk.client import PoolClient
-    from gpupool_sdk.integrations.run_channel import RunChannelServer
+    from gpupool_sdk.runtime.run_channel import RunChannelServer
 
     say = echo or (lambda msg: click.echo(f"[gpupool run] {msg}", err=True))
     client = PoolClient(endpoints=endpoints, prefix=prefix, security=security)

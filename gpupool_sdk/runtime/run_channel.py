@@ -34,7 +34,7 @@ from typing import Any
 from gpupool_sdk.errors import ConfigError, GpupoolError
 from gpupool_sdk.resources import Directive
 
-log = logging.getLogger("gpupool_sdk.integrations.run_channel")
+log = logging.getLogger("gpupool_sdk.runtime.run_channel")
 
 
 def _send(sock: socket.socket, lock: threading.Lock, obj: dict[str, Any]) -> None:
@@ -323,6 +323,6 @@ class RunChannelServer:
 
 
 def _devices(lease: Any) -> list[str]:
-    from gpupool_sdk.integrations._core import _visible_devices
+    from gpupool_sdk.runtime.runtime import _visible_devices
 
     return _visible_devices(lease)

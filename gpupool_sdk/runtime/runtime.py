@@ -46,7 +46,7 @@ from gpupool_sdk.resources import Directive, DirectiveKind, JobSpec
 from gpupool_sdk.telemetry.phases import Phase, PhaseTimer
 from gpupool_sdk.telemetry.summary import TelemetrySummary, from_phase_timer
 
-log = logging.getLogger("gpupool_sdk.integrations")
+log = logging.getLogger("gpupool_sdk.runtime")
 
 #: Exit code of a training process that was preempted and wants to be run again (sysexits.h).
 EX_TEMPFAIL = 75
@@ -334,7 +334,7 @@ class PoolRuntime:
             self.resume_from = os.environ.get(RESUME_ENV) or None
             return
         if self.mode == "attach":
-            from gpupool_sdk.integrations.run_channel import ChannelLease
+            from gpupool_sdk.runtime.run_channel import ChannelLease
 
             self.lease = ChannelLease.connect(os.environ[RUN_SOCKET_ENV])
             if self.lease.job != self.job:
@@ -521,7 +521,7 @@ class PoolRuntime:
         """Training starts: register ``optimizers``, build the balloon controller, start the samplers.
 
         Called by the adapters once the optimizers exist (Lightning's ``on_train_start``,
-        :class:`~gpupool_sdk.integrations.torch_loop.PoolSession` on entry and in ``add_optimizer``).
+        :class:`~gpupool_torch.PoolSession` on entry and in ``add_optimizer``).
         The controller measures the footprint that ``memory_peak_bytes`` reports from the first
         publish on, before any balloon. On rank 0 with real GPUs and NVML, an
         :class:`~gpupool_sdk.telemetry.nvml_sampler.NvmlSampler` samples the leased GPUs on its
@@ -582,7 +582,7 @@ class PoolRuntime:
 
     def _balloon_controller(self) -> Any:
         if self._balloon is None and self.allocator != "none":
-            from gpupool_sdk.memory import make_balloon_controller
+            from gpupool_torch.memory import make_balloon_controller
 
             kind = self.allocator
             if kind == "torch" and self.accelerator != "gpu":
@@ -774,8 +774,8 @@ class PoolRuntime:
 class PoolAdapter:
     """What both framework adapters expose of their :class:`PoolRuntime` (``self.runtime``).
 
-    :class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback` and
-    :class:`~gpupool_sdk.integrations.torch_loop.PoolSession` derive from it; each builds the
+    :class:`~gpupool_lightning.GpuPoolCallback` and
+    :class:`~gpupool_torch.PoolSession` derive from it; each builds the
     runtime in its own constructor and adds what its framework needs.
     """
 

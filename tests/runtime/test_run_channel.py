@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.integrations.run_channel import ChannelLease, RunChannelServer
 from gpupool_sdk.resources import Directive, DirectiveKind
-from integrations.conftest import wait_for
+from gpupool_sdk.runtime.run_channel import ChannelLease, RunChannelServer
+from integrations.lightning.tests.conftest import wait_for
 
 
 class FakeLease:

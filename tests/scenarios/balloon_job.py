@@ -3,7 +3,7 @@
 Usage: ``python balloon_job.py --name NAME --memory 30GiB --peak-bytes N --stop-file PATH``
 (the pool comes from ``$GPUPOOL_ENDPOINTS`` / ``$GPUPOOL_PREFIX``).
 
-It trains a small MLP with Adam through :class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback`
+It trains a small MLP with Adam through :class:`~gpupool_lightning.GpuPoolCallback`
 (``qos="shared"``, default memory tier, which is the host tier on a machine without CUDA), so balloon
 and deflate directives reach it the real way: etcd -> client helper process -> callback -> balloon
 controller -> ack. It trains until ``--stop-file`` exists, then ``--extra-steps`` more optimizer steps.
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gpupool_sdk.integrations.lightning import GpuPoolCallback
+from gpupool_lightning import GpuPoolCallback
 
 SAMPLES = 64
 BATCH = 8

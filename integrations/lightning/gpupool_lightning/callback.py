@@ -6,7 +6,7 @@ Works with ``pytorch_lightning`` and with ``lightning.pytorch`` (the class deriv
 Example (the whole integration)::
 
     import pytorch_lightning as pl          # or: import lightning.pytorch as pl
-    from gpupool_sdk.integrations.lightning import GpuPoolCallback
+    from gpupool_lightning import GpuPoolCallback
 
     pool = GpuPoolCallback(gpus=1, memory="20GiB", qos="shared", priority=5, checkpoint_dir="ckpt/")
     trainer = pl.Trainer(accelerator=pool.accelerator, devices=pool.devices, callbacks=[pool], max_epochs=10)
@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from gpupool_sdk.integrations._core import (
+from gpupool_sdk.runtime.runtime import (
     _CARRY_ON,
     EX_TEMPFAIL,
     Decision,
@@ -35,10 +35,10 @@ from gpupool_sdk.integrations._core import (
     PoolLeaseLostError,
     PoolRuntime,
 )
-from gpupool_sdk.integrations.data import ResumableDataLoader
 from gpupool_sdk.telemetry.phases import PHASE_INDEX, Phase
+from gpupool_torch.data import ResumableDataLoader
 
-log = logging.getLogger("gpupool_sdk.integrations.lightning")
+log = logging.getLogger("gpupool_lightning")
 
 _bases: list[type] = []
 try:
@@ -56,7 +56,7 @@ except ImportError:
 if not _bases:  # pragma: no cover
     raise ImportError(
         "GpuPoolCallback needs Lightning: pip install pytorch-lightning (or lightning), "
-        "or use gpupool_sdk.integrations.torch_loop.PoolSession for a plain PyTorch loop"
+        "or use gpupool_torch.PoolSession for a plain PyTorch loop"
     )
 
 __all__ = ["EX_TEMPFAIL", "GpuPoolCallback", "PoolLeaseLostError", "ResumableDataLoader"]
@@ -197,7 +197,7 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
 
     @property
     def preempt_timing(self) -> Any:
-        """:class:`~gpupool_sdk.integrations._core.PreemptTiming` of the last preemption (rank 0), or None."""
+        """:class:`~gpupool_sdk.runtime.runtime.PreemptTiming` of the last preemption (rank 0), or None."""
         return self.runtime.last_preempt
 
     @property

@@ -24,7 +24,7 @@ from gpupool_sdk.store import EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
 T = TypeVar("T")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = str(ROOT / "examples" / "lightning_train.py")
 DEADLINE = 90.0
 

@@ -10,9 +10,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from gpupool_sdk.demo.job import TinyRegressor
+from gpupool_lightning import GpuPoolCallback, PoolLeaseLostError
+from gpupool_lightning.demo.job import TinyRegressor
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.integrations.lightning import GpuPoolCallback, PoolLeaseLostError
 from gpupool_sdk.resources import Checkpoint, Directive, DirectiveKind
 
 
@@ -182,7 +182,7 @@ def test_cuda_events_time_device_phases_on_a_gpu(tmp_path: Path) -> None:
 
 
 def test_directive_check_between_directives_reads_a_flag(tmp_path: Path) -> None:
-    from gpupool_sdk.integrations._core import PoolRuntime
+    from gpupool_sdk.runtime.runtime import PoolRuntime
 
     class WatchedLease(FakeLease):
         def __init__(self, job: str) -> None:

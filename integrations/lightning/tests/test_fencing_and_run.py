@@ -13,7 +13,7 @@ import torch
 from gpupool_sdk.client import PoolClient
 from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.store.records import TelemetryRecord
-from integrations.conftest import ROOT, LivePool, wait_for
+from integrations.lightning.tests.conftest import ROOT, LivePool, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import torch
 from gpupool_sdk.client import PoolClient
 from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.store.records import TelemetryRecord
-from integrations.conftest import LivePool, wait_for
+from integrations.lightning.tests.conftest import LivePool, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from gpupool_sdk.store.records import TelemetryRecord
-from integrations.conftest import LivePool, wait_for
+from integrations.lightning.tests.conftest import LivePool, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
+from gpupool_lightning import GpuPoolCallback
 from gpupool_sdk.coordinator.snapshot import _peak_from_telemetry
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.integrations._core import Decision, PoolRuntime
-from gpupool_sdk.integrations.lightning import GpuPoolCallback
+from gpupool_sdk.runtime.runtime import Decision, PoolRuntime
 from gpupool_sdk.telemetry.summary import SliceTelemetry, TelemetrySummary
-from integrations.test_callback_logic import FakeClient, FakeLease, fit
+from integrations.lightning.tests.test_callback_logic import FakeClient, FakeLease, fit
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:

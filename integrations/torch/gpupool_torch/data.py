@@ -3,7 +3,7 @@
 Lightning resumes a mid-epoch checkpoint with the right batch index, but an ordinary
 ``DataLoader`` starts the epoch over from its first batch (Lightning warns "your dataloader is
 not resumable"). :class:`ResumableDataLoader` implements ``state_dict``/``load_state_dict``;
-:class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback` tells it at every batch how many
+:class:`~gpupool_lightning.GpuPoolCallback` tells it at every batch how many
 batches of the epoch training has consumed (Lightning prefetches one batch ahead, so the
 loader's own count would be off by one), and on resume the first ``consumed`` batches of the
 epoch are skipped.

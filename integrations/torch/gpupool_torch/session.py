@@ -3,7 +3,7 @@
 Example::
 
     import torch
-    from gpupool_sdk.integrations.torch_loop import PoolSession
+    from gpupool_torch import PoolSession
     from gpupool_sdk.telemetry.phases import Phase
 
     with PoolSession(gpus=1, memory="8GiB", checkpoint_dir="ckpt/") as pool:
@@ -44,7 +44,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from gpupool_sdk.integrations._core import EX_TEMPFAIL, Decision, PoolAdapter, PoolLeaseLostError, PoolRuntime
+from gpupool_sdk.runtime.runtime import EX_TEMPFAIL, Decision, PoolAdapter, PoolLeaseLostError, PoolRuntime
 from gpupool_sdk.telemetry.phases import Phase
 
 __all__ = ["EX_TEMPFAIL", "PoolLeaseLostError", "PoolSession"]
@@ -69,9 +69,9 @@ class PoolSession(PoolAdapter):
     Args:
         gpus, memory, qos, priority, name, checkpoint_dir, endpoints, compute_share, allocator,
             check_every_n_steps, telemetry_interval_s, acquire_timeout, **spec_fields: as for
-            :class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback`.
+            :class:`~gpupool_lightning.GpuPoolCallback`.
         memory_peak_fn, metrics_port: as for
-            :class:`~gpupool_sdk.integrations.lightning.GpuPoolCallback` (see :meth:`report_memory_peak`).
+            :class:`~gpupool_lightning.GpuPoolCallback` (see :meth:`report_memory_peak`).
         broadcast: ``obj -> obj`` sending rank 0's object to all ranks (distributed loops).
         exit_on_preempt: leaving the ``with`` block after a preemption raises ``SystemExit(75)``.
 

@@ -11,14 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gpupool_sdk.errors import ConfigError  # noqa: E402
-from gpupool_sdk.memory import (  # noqa: E402
+from gpupool_sdk.memory import CachingAllocator, InstallError, QuotaExceededError  # noqa: E402
+from gpupool_torch.memory import (  # noqa: E402
     AllocatorBalloonController,
-    CachingAllocator,
-    InstallError,
-    QuotaExceededError,
     TorchBalloonController,
     make_balloon_controller,
-    torch_hook,  # noqa: E402
+    torch_hook,
 )
 
 MiB = 1 << 20

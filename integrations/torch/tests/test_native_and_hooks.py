@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gpupool_sdk.memory import InstallError, NativeBuildError, _native, torch_hook
+from gpupool_sdk.memory import InstallError, NativeBuildError, _native
+from gpupool_torch.memory import torch_hook
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +93,7 @@ def test_install_torch_allocator_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_install_cupy_allocator_without_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpupool_sdk.memory import install_cupy_allocator
+    from gpupool_torch.memory import install_cupy_allocator
 
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(InstallError, match="cupy"):

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gpupool_sdk.memory import OptimizerOffloader  # noqa: E402
+from gpupool_torch.memory import OptimizerOffloader  # noqa: E402
 
 
 def trained_adam() -> tuple[Any, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from gpupool_sdk.integrations.data import ResumableDataLoader
+from gpupool_torch.data import ResumableDataLoader
 
 
 def batches(dl: ResumableDataLoader) -> list[list[float]]:

@@ -28,7 +28,7 @@ def run_script(body: str, timeout: float = 240) -> dict:
     """Runs a script in a fresh interpreter; its last stdout line is a JSON result."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(body)],
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -42,7 +42,8 @@ def test_replace_mode_trains_a_model_under_a_quota() -> None:
     result = run_script(
         """
         import json, torch
-        from gpupool_sdk.memory import QuotaExceededError, install_torch_allocator
+        from gpupool_sdk.memory import QuotaExceededError
+        from gpupool_torch.memory import install_torch_allocator
         alloc = install_torch_allocator(quota="512MiB", devices=[0])
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)).cuda()
@@ -83,7 +84,8 @@ def test_replace_mode_refuses_after_cuda_init() -> None:
     result = run_script(
         """
         import json, torch
-        from gpupool_sdk.memory import InstallError, install_torch_allocator
+        from gpupool_sdk.memory import InstallError
+        from gpupool_torch.memory import install_torch_allocator
         torch.zeros(1, device="cuda")
         try:
             install_torch_allocator(quota="1GiB")
@@ -100,7 +102,8 @@ def test_cupy_and_torch_share_one_quota() -> None:
     result = run_script(
         """
         import json, torch, cupy
-        from gpupool_sdk.memory import QuotaExceededError, install_cupy_allocator, install_torch_allocator
+        from gpupool_sdk.memory import QuotaExceededError
+        from gpupool_torch.memory import install_cupy_allocator, install_torch_allocator
         alloc = install_torch_allocator(quota="256MiB", devices=[0])
         assert install_cupy_allocator(devices=[0]) is alloc
         t = torch.empty(150 * 2**20, dtype=torch.uint8, device="cuda")
@@ -127,7 +130,7 @@ def test_gpupool_tier_balloon_round_trip() -> None:
     result = run_script(
         """
         import json, torch
-        from gpupool_sdk.memory import install_torch_allocator, make_balloon_controller
+        from gpupool_torch.memory import install_torch_allocator, make_balloon_controller
         install_torch_allocator(quota="2GiB", devices=[0])
         model = torch.nn.Linear(2048, 2048).cuda()
         opt = torch.optim.Adam(model.parameters())

@@ -26,6 +26,6 @@ def demo(simulate: str, timeout_s: float, workdir: str | None) -> None:
     """
     if timeout_s <= 0:
         raise click.BadParameter(f"must be > 0 seconds, got {timeout_s}", param_hint="--timeout")
-    from gpupool_sdk.demo.orchestrator import run_demo
+    from gpupool_lightning.demo.orchestrator import run_demo
 
     sys.exit(run_demo(simulate=simulate, timeout_s=timeout_s, workdir=workdir))

@@ -1,4 +1,4 @@
-"""The demo's training job (``python -m gpupool_sdk.demo.job``): a small Lightning job on the pool.
+"""The demo's training job (``python -m gpupool_lightning.demo.job``): a small Lightning job on the pool.
 
 ``examples/lightning_train.py`` with ``--cpu`` and ``--progress``, shipped inside the package so
 ``gpupool demo`` works from an installed wheel. Both scripts use the pieces defined here:
@@ -7,8 +7,8 @@ line) and :func:`report_result` (the lines that ``gpupool demo`` and the tests r
 
 Run it against a pool (``gpupool demo`` starts one; or etcd + coordinator + agent)::
 
-    python -m gpupool_sdk.demo.job --name tiny --memory 1GiB --epochs 3
-    gpupool run --memory 1GiB -- python -m gpupool_sdk.demo.job --epochs 3   # re-runs after preemption
+    python -m gpupool_lightning.demo.job --name tiny --memory 1GiB --epochs 3
+    gpupool run --memory 1GiB -- python -m gpupool_lightning.demo.job --epochs 3   # re-runs after preemption
 
 Exit codes: 0 finished, 75 preempted (checkpointed; run it again to resume), other: failed.
 Deterministic for a fixed ``--seed`` (the tests compare an interrupted run with an uninterrupted one).
@@ -27,8 +27,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import TensorDataset
 
-from gpupool_sdk.integrations._core import CKPT_DIR_ENV
-from gpupool_sdk.integrations.lightning import GpuPoolCallback, ResumableDataLoader
+from gpupool_lightning import GpuPoolCallback, ResumableDataLoader
+from gpupool_sdk.runtime.runtime import CKPT_DIR_ENV
 
 
 class TinyRegressor(pl.LightningModule):
@@ -39,7 +39,7 @@ class TinyRegressor(pl.LightningModule):
     the backward pass and the rest in the optimizer step.
 
     The data (``samples`` rows of 16 features, a noisy linear target) is drawn from ``seed``, and
-    the loader is a :class:`~gpupool_sdk.integrations.lightning.ResumableDataLoader`, so a run
+    the loader is a :class:`~gpupool_lightning.ResumableDataLoader`, so a run
     resumed from a preemption checkpoint sees the same batches as an uninterrupted one.
 
     Example:

@@ -198,7 +198,7 @@ class Demo:
         cmd = self._gpupool(
             "run", "--name", j.name, "--memory", j.memory, "--qos", j.qos, "--priority", str(j.priority),
             "--endpoints", ep, "--prefix", self.prefix, "--checkpoint-dir", str(self.workdir / "ckpt"),
-            "--", sys.executable, "-m", "gpupool_sdk.demo.job", "--epochs", str(j.epochs),
+            "--", sys.executable, "-m", "gpupool_lightning.demo.job", "--epochs", str(j.epochs),
             "--samples", str(j.samples), "--batch-size", str(j.batch_size), "--step-sleep", str(j.step_sleep),
             "--memory", j.memory, "--progress", "--cpu",
         )

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.memory.allocator import CachingAllocator, SizeLike
 from gpupool_sdk.memory.errors import InstallError
-from gpupool_sdk.memory.offload import OptimizerOffloader
 from gpupool_sdk.resources.units import format_size, parse_size
+from gpupool_torch.memory.offload import OptimizerOffloader
 
 if TYPE_CHECKING:
     import torch
@@ -421,7 +421,7 @@ def make_balloon_controller(
 
     Example:
         >>> import torch
-        >>> from gpupool_sdk.memory import make_balloon_controller
+        >>> from gpupool_torch.memory import make_balloon_controller
         >>> balloon = make_balloon_controller("host", quota_bytes="1GiB")
         >>> model = torch.nn.Linear(256, 256); opt = torch.optim.Adam(model.parameters())
         >>> model(torch.ones(1, 256)).sum().backward(); opt.step()
@@ -440,7 +440,7 @@ def make_balloon_controller(
             )
         return TorchBalloonController(quota_bytes, device)
     if kind == "gpupool":
-        from gpupool_sdk.memory.torch_hook import global_allocator
+        from gpupool_torch.memory.torch_hook import global_allocator
 
         alloc = global_allocator(device, create=False)
         return AllocatorBalloonController(alloc, quota_bytes, device, kind="gpupool")

@@ -10,7 +10,7 @@ from typing import Any
 
 from gpupool_sdk.memory.allocator import CachingAllocator, SizeLike
 from gpupool_sdk.memory.errors import InstallError
-from gpupool_sdk.memory.torch_hook import global_allocator
+from gpupool_torch.memory.torch_hook import global_allocator
 
 
 class _Block:
@@ -49,7 +49,7 @@ def install_cupy_allocator(
 
     Args:
         quota: quota for allocators created here (existing ones, e.g. from
-            :func:`~gpupool_sdk.memory.install_torch_allocator`, are shared as they are).
+            :func:`~gpupool_torch.memory.install_torch_allocator`, are shared as they are).
         devices: devices to prepare (default: every visible device).
 
     Returns:
@@ -59,7 +59,7 @@ def install_cupy_allocator(
         InstallError: CuPy is not installed.
 
     Example:
-        >>> from gpupool_sdk.memory import install_cupy_allocator, install_torch_allocator
+        >>> from gpupool_torch.memory import install_cupy_allocator, install_torch_allocator
         >>> alloc = install_torch_allocator(quota="20GiB")
         >>> install_cupy_allocator() is alloc   # one quota for torch and CuPy
         True

@@ -3,7 +3,7 @@
 The C core exports ``gpupool_torch_malloc`` / ``gpupool_torch_free`` with the signatures of
 ``torch.cuda.memory.CUDAPluggableAllocator``. They serve every request from a process-global
 :class:`CachingAllocator` per device, the same instance CuPy uses
-(:mod:`gpupool_sdk.memory.cupy_hook`), so torch and CuPy share one quota.
+(:mod:`gpupool_torch.memory.cupy_hook`), so torch and CuPy share one quota.
 
 Replace mode must be installed before CUDA initialises in the process; it gives up CUDA
 graph capture, ``torch.cuda.memory_stats`` (use :func:`global_allocator` ``.stats()``), and
@@ -88,7 +88,7 @@ def install_torch_allocator(
             allocator can only be swapped before the first CUDA tensor or context).
 
     Example:
-        >>> from gpupool_sdk.memory import install_torch_allocator
+        >>> from gpupool_torch.memory import install_torch_allocator
         >>> alloc = install_torch_allocator(quota="20GiB")   # first thing in the script
         >>> # ... build the model, train; alloc.stats() replaces torch.cuda.memory_stats()
     """

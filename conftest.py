@@ -1,0 +1,120 @@
+"""Shared test harness for every package's tests (core tests/ and integrations/*/tests): one real
+etcd per test session, a fresh key prefix per test.
+
+Fixtures:
+    etcd_server: the session's :class:`~gpupool_sdk.store.launcher.EtcdServer` (real etcd on loopback).
+    etcd_endpoint: its ``host:port``.
+    keyspace: a :class:`~gpupool_sdk.store.keyspace.Keyspace` under a fresh ``/gpupool-test/<uuid>``.
+    store: an :class:`~gpupool_sdk.store.EtcdStore` on that keyspace, closed after the test.
+    etcdctl: ``etcdctl(*args, input=None, check=True)`` -> ``CompletedProcess`` against the session etcd.
+
+Helpers for the harnesses that run real processes live in ``tests/testkit.py`` (``wait_for``,
+``dump_logs_if_failed``): a module of its own name, since several folders have a ``conftest``;
+``tests/`` is put on ``sys.path`` here so that ``from testkit import ...`` works from every package.
+
+Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is False.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.store.launcher import EtcdServer, find_etcdctl_binary
+
+TEST_PREFIX_ROOT = "/gpupool-test"
+
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the whole session, on free ports, auto-compaction off."""
+    data_dir = tmp_path_factory.mktemp("etcd-session") / "data"
+    server = EtcdServer(data_dir=data_dir, name="gpupool-test", extra_args=["--auto-compaction-retention=0"])
+    server.start(timeout=60)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(etcd_server: EtcdServer) -> str:
+    """``host:port`` of the session etcd."""
+    return etcd_server.endpoint
+
+
+@pytest.fixture
+def keyspace() -> Keyspace:
+    """A keyspace under a prefix no other test uses."""
+    return Keyspace(f"{TEST_PREFIX_ROOT}/{uuid.uuid4().hex}")
+
+
+@pytest.fixture
+def store(etcd_endpoint: str, keyspace: Keyspace) -> Iterator[Any]:
+    """An EtcdStore on the session etcd and this test's keyspace; its keys are deleted after the test."""
+    from gpupool_sdk.store import EtcdStore
+
+    s = EtcdStore(etcd_endpoint, keyspace=keyspace)
+    try:
+        yield s
+    finally:
+        try:
+            s.delete_prefix(keyspace.root())
+        finally:
+            s.close()
+
+
+@pytest.fixture(scope="session")
+def etcdctl(etcd_endpoint: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run ``etcdctl --endpoints <session etcd> *args``; returns the CompletedProcess (text mode)."""
+    binary = find_etcdctl_binary()
+    env = {**os.environ, "ETCDCTL_API": "3"}
+
+    def run(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [binary, f"--endpoints={etcd_endpoint}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            check=check,
+            env=env,
+            timeout=30,
+        )
+
+    return run
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return  # do not pay for importing torch when no test needs a GPU
+    try:
+        import torch
+
+        has_cuda = bool(torch.cuda.is_available())
+    except Exception:  # torch missing or broken: no GPU as far as tests are concerned
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the item (``item.rep_call``...) so fixtures can see a failure."""
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{rep.when}", rep)

@@ -1,0 +1,18 @@
+"""gpupool-torch: the gpupool pool for plain PyTorch loops, and what is torch-specific.
+
+* :class:`PoolSession`: lease GPU slices around a hand-written training loop.
+* :class:`ResumableDataLoader`: a DataLoader that resumes mid-epoch exactly.
+* :mod:`gpupool_torch.memory`: the SDK allocator hooked into torch and CuPy, memory balloons,
+  optimizer offload.
+
+The Lightning callback is in ``gpupool-lightning`` (``gpupool_lightning.GpuPoolCallback``).
+"""
+
+from __future__ import annotations
+
+from gpupool_sdk.runtime import EX_TEMPFAIL, PoolLeaseLostError
+from gpupool_torch.data import ResumableDataLoader
+from gpupool_torch.session import PoolSession
+
+__version__ = "0.1.0"
+__all__ = ["EX_TEMPFAIL", "PoolLeaseLostError", "PoolSession", "ResumableDataLoader", "__version__"]
