@@ -18,8 +18,15 @@ Value layout (JSON, with the codec's ``schema``/``kind`` envelope)::
       "gpu_util": 0.62,                                              # 0-1, null without NVML
       "slices": [{"gpu_uuid": "GPU-...", "memory_used_bytes": 1.2e10, "util": 0.6,
                   "memory_peak_bytes": 12884901888}],
-      "last_step_at": 1764668400.2, "published_at": 1764668401.0
+      "last_step_at": 1764668400.2, "published_at": 1764668401.0,
+      "remaining_s": 5400.0, "progress": 0.25                        # optional: see below
     }
+
+``remaining_s`` (seconds of training left at the current step time, on the GPUs the job holds
+now) and ``progress`` (fraction of the declared length done, 0-1) are published by a job that
+knows its length (``trainer.estimated_stepping_batches`` or ``max_steps``, ``global_step`` and
+the measured step time); both are absent (null) for a job that does not. The coordinator reads
+``remaining_s`` into ``JobView.remaining_s`` (progress-aware ordering, ``docs/scheduler.md``).
 
 ``phase_seconds`` are per-step averages over the last ``window_s`` seconds. Every field but
 ``job`` is optional when reading: an older or partial writer still parses.
@@ -152,6 +159,9 @@ class TelemetrySummary:
         slices: per-slice detail.
         last_step_at: wall-clock time the last training step finished (idle detection), or None.
         published_at: wall-clock time of publication.
+        remaining_s: estimated seconds of training left (declared length minus ``step``, times the
+            measured step time, on the GPUs held now); None when the job does not know its length.
+        progress: fraction of the declared length done, 0-1 (``step / total_steps``); None when unknown.
 
     Example:
         >>> s = TelemetrySummary.build("bert", step=10, steps_per_s=2.0, window_s=30,
@@ -172,6 +182,8 @@ class TelemetrySummary:
     slices: tuple[SliceTelemetry, ...] = ()
     last_step_at: float | None = None
     published_at: float = 0.0
+    remaining_s: float | None = None
+    progress: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -190,6 +202,19 @@ class TelemetrySummary:
             set_(self, "memory_peak_bytes", int(_non_negative(float(self.memory_peak_bytes), "memory_peak_bytes")))
         set_(self, "gpu_util", _ratio_or_none(self.gpu_util, "gpu_util"))
         set_(self, "slices", tuple(self.slices))
+        if self.remaining_s is not None:
+            if isinstance(self.remaining_s, bool) or not isinstance(self.remaining_s, (int, float)):
+                raise SpecError("remaining_s", f"must be seconds (a number >= 0) or null, got {self.remaining_s!r}")
+            rem = float(self.remaining_s)
+            if not math.isfinite(rem) or rem < 0:
+                raise SpecError(
+                    "remaining_s", f"must be finite seconds >= 0 (omit it when the length is unknown), got {rem!r}"
+                )
+            set_(self, "remaining_s", rem)
+        if self.progress is not None:
+            if isinstance(self.progress, bool) or not isinstance(self.progress, (int, float)):
+                raise SpecError("progress", f"must be a fraction 0-1 or null, got {self.progress!r}")
+            set_(self, "progress", _ratio_or_none(float(self.progress), "progress"))
 
     @classmethod
     def build(
@@ -206,6 +231,8 @@ class TelemetrySummary:
         gpu_util: float | None = None,
         memory_peak_bytes: int | None = None,
         last_step_at: float | None = None,
+        remaining_s: float | None = None,
+        progress: float | None = None,
     ) -> TelemetrySummary:
         """Build a summary from phase timings (keys may be ``Phase`` members or strings).
 
@@ -235,6 +262,8 @@ class TelemetrySummary:
             slices=slices,
             last_step_at=last_step_at,
             published_at=published_at,
+            remaining_s=remaining_s,
+            progress=progress,
         )
 
     @property
@@ -262,6 +291,8 @@ class TelemetrySummary:
             "slices": [s.to_dict() for s in self.slices],
             "last_step_at": self.last_step_at,
             "published_at": self.published_at,
+            "remaining_s": self.remaining_s,
+            "progress": self.progress,
         }
 
     @classmethod
@@ -296,6 +327,8 @@ class TelemetrySummary:
             slices=tuple(slices),
             last_step_at=opt(d, "last_step_at", float, where, None),
             published_at=opt(d, "published_at", float, where, 0.0),
+            remaining_s=opt(d, "remaining_s", (int, float), where, None),
+            progress=opt(d, "progress", (int, float), where, None),
         )
 
 
