@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import difflib
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from gpupool_sdk.errors import SpecError
 
 T = TypeVar("T")
+C = TypeVar("C", bound=type)
 
 
 def req(d: Mapping[str, Any], key: str, typ: type[T] | tuple[type, ...], where: str) -> T:
@@ -48,3 +52,60 @@ def strings(value: Any, field: str) -> tuple[str, ...]:
 
 def _names(types: tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)
+
+
+def unknown_field(name: str, known: Iterable[str], where: str, field: str | None = None) -> SpecError:
+    """A :class:`SpecError` for a field ``where`` does not have, naming the closest valid one.
+
+    Args:
+        name: the unknown field as written.
+        known: the valid field names.
+        where: what has no such field (``"JobSpec"``), for the message.
+        field: the error's field (default ``name``; ``"spec.gpu"`` for a nested record).
+
+    Example:
+        >>> str(unknown_field("preempt_grace", ["preempt_grace_s", "priority"], "JobSpec"))
+        "preempt_grace: unknown field of JobSpec; did you mean 'preempt_grace_s'? valid fields: preempt_grace_s, priority"
+    """
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ";"
+    return SpecError(field or name, f"unknown field of {where}{hint} valid fields: {', '.join(known)}")
+
+
+def keyword_checked(cls: C) -> C:
+    """Make a dataclass's constructor raise :class:`SpecError` instead of a raw ``TypeError``.
+
+    A misspelt keyword (``JobSpec(..., preempt_grace=30)``) names the closest valid field; a
+    missing required field, too many positional arguments, or a field given twice are named too.
+    Apply it above ``@dataclass`` (it wraps the generated ``__init__``).
+    """
+    init: Callable[..., None] = cls.__dict__["__init__"]  # the one @dataclass generated
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = tuple(f.name for f in fields)
+    known = frozenset(names)
+    required = tuple(
+        f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    where = cls.__name__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key not in known:
+                raise unknown_field(key, names, where)
+        if len(args) > len(names):
+            raise SpecError(
+                names[-1], f"{where} takes at most {len(names)} positional arguments, got {len(args)}; pass fields by name"
+            )
+        for i, key in enumerate(names[: len(args)]):
+            if key in kwargs:
+                raise SpecError(key, f"given twice (as positional argument {i + 1} and by name); give it once")
+        given = names[: len(args)]
+        for key in required:
+            if key not in kwargs and key not in given:
+                raise SpecError(key, f"is required: {where}({key}=...)")
+        init(self, *args, **kwargs)
+
+    setattr(cls, "__init__", __init__)  # noqa: B010 - assigning the attribute directly upsets mypy
+    return cls

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpupool_sdk.errors import SpecError
-from gpupool_sdk.resources._fields import check, opt, req, strings
+from gpupool_sdk.resources._fields import check, keyword_checked, opt, req, strings, unknown_field
 from gpupool_sdk.resources.units import format_size, parse_size
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -77,6 +77,7 @@ def _canonical_model(name: str) -> str:
         return name
 
 
+@keyword_checked
 @dataclass(frozen=True)
 class JobSpec:
     """What a training job asks of the pool.
@@ -102,7 +103,9 @@ class JobSpec:
         owner: team or user charged for the usage.
 
     Raises:
-        SpecError: a field is invalid; the message names it and the fix.
+        SpecError: a field is invalid, or is not a field at all (a misspelt keyword such as
+            ``preempt_grace=30`` names the closest valid one: ``preempt_grace_s``); the message
+            names it and the fix.
 
     Example:
         >>> JobSpec(name="bert-ft", gpus=2, memory="30GiB", qos="guaranteed", priority=10).memory
@@ -220,7 +223,8 @@ class JobSpec:
     def from_dict(cls, d: Mapping[str, Any], where: str = "spec") -> JobSpec:
         unknown = set(d) - set(cls.__dataclass_fields__) - {"memory_bytes"}
         if unknown:
-            raise SpecError(f"{where}.{sorted(unknown)[0]}", f"unknown field; known fields: {sorted(cls.__dataclass_fields__)}")
+            name = sorted(unknown)[0]
+            raise unknown_field(name, cls.__dataclass_fields__, "a job spec", field=f"{where}.{name}")
         memory = d.get("memory_bytes", d.get("memory", 0))
         return cls(
             name=req(d, "name", str, where),

@@ -46,6 +46,10 @@ class SchedulerConfig:
         las_promote_after_factor: with LAS on, a job whose wait (time since ``queued_at`` not spent
             running) reached this multiple of its run so far counts as queue 0 again (Tiresias'
             starvation promotion; while it runs, until its run catches up). 0 turns it off.
+        use_remaining: with LAS on, a job that reports its remaining time (``JobView.remaining_s``,
+            from its telemetry) is ranked by its remaining service instead of its attained
+            service, and inside a queue jobs that know they are short go first
+            (shortest-remaining-first; jobs that report nothing keep LAS). False: attained only.
         reserve_after_s: a pending job that cannot be placed and has waited this long gets GPUs
             reserved for it: lower jobs may only backfill on other GPUs.
         max_reservations: at most this many blocked jobs hold reservations in one cycle.
@@ -80,6 +84,7 @@ class SchedulerConfig:
     las_threshold_gpu_s: tuple[float, ...] = ()
     las_preempt: bool = True
     las_promote_after_factor: float = 0.0
+    use_remaining: bool = True
     reserve_after_s: float = 600.0
     max_reservations: int = 2
     resize_up: bool = True
@@ -159,6 +164,10 @@ class JobView:
         ack: the last ack it wrote, if any.
         memory_peak_bytes: the recent per-slice memory peak it reported in telemetry (for overcommit).
         order: a tie breaker (submission order); lower goes first.
+        remaining_s: the job's own estimate of the seconds of training it has left on the GPUs it
+            holds (or asks for), from ``telemetry/{job}`` (``TelemetrySummary.remaining_s``); None
+            when it declared no length. Progress-aware ordering and victim choice use it
+            (:func:`~gpupool_sdk.scheduler.ordering.service_gpu_s`).
     """
 
     spec: JobSpec
@@ -172,6 +181,7 @@ class JobView:
     ack: Ack | None = None
     memory_peak_bytes: int | None = None
     order: int = 0
+    remaining_s: float | None = None
 
     @property
     def name(self) -> str:

@@ -1,6 +1,6 @@
 import pytest
 
-from gpupool_sdk.errors import SpecError
+from gpupool_sdk.errors import ConfigError, SpecError
 from gpupool_sdk.resources import (
     Ack,
     Allocation,
@@ -59,6 +59,39 @@ def test_invalid_spec_names_the_field(kwargs, field):
     assert str(err.value).startswith(f"{field}:")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field", "closest"),
+    [
+        ({"preempt_grace": 30}, "preempt_grace", "preempt_grace_s"),
+        ({"min_runtime": 60}, "min_runtime", "min_runtime_s"),
+        ({"gpu": 2}, "gpu", "gpus"),
+        ({"memory_gb": 20}, "memory_gb", "memory"),
+    ],
+)
+def test_misspelt_keyword_is_a_config_error_naming_the_closest_field(kwargs, field, closest):
+    with pytest.raises(ConfigError) as err:
+        JobSpec(name="job", memory="1GiB", **kwargs)
+    assert isinstance(err.value, SpecError)
+    assert err.value.field == field
+    assert f"did you mean {closest!r}?" in str(err.value)
+
+
+def test_keyword_with_no_close_field_lists_the_valid_ones():
+    with pytest.raises(SpecError, match=r"^banana: unknown field of JobSpec; valid fields: anti_affinity, ") as err:
+        JobSpec(name="job", memory="1GiB", banana=1)
+    assert "did you mean" not in str(err.value)
+
+
+def test_constructor_argument_mistakes_are_spec_errors_not_type_errors():
+    with pytest.raises(SpecError, match=r"^name: is required"):
+        JobSpec(memory="1GiB")  # type: ignore[call-arg]
+    with pytest.raises(SpecError, match=r"^name: given twice"):
+        JobSpec("a", name="b", memory="1GiB")  # type: ignore[misc]
+    with pytest.raises(SpecError, match="positional arguments"):
+        JobSpec(*(["a"] + [None] * 15))  # type: ignore[misc]
+    assert JobSpec("a", 2, "1GiB").gpus == 2  # positional arguments still work
+
+
 def test_exclusive_may_leave_memory_unset():
     spec = JobSpec(name="big", qos="exclusive", gpus=8)
     assert spec.memory_bytes == 0
@@ -70,7 +103,7 @@ def test_spec_round_trip_and_unknown_field():
     assert spec.features == ("bf16", "fp8")
     assert spec.is_elastic
     assert JobSpec.from_dict(spec.to_dict()) == spec
-    with pytest.raises(SpecError, match="unknown field"):
+    with pytest.raises(SpecError, match=r"^spec\.gpu: unknown field of a job spec; did you mean 'gpus'\?"):
         JobSpec.from_dict({**spec.to_dict(), "gpu": 3})
 
 
