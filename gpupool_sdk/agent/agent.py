@@ -133,6 +133,9 @@ class NodeAgent:
         self.registrations = 0
         self.refreshes = 0
         self.writes = 0
+        # What the last refresh read (unrounded), for the agent's metrics exporter.
+        self.last_node_info: NodeInfo | None = None
+        self.last_gpus: tuple[GpuInfo, ...] = ()
 
     # ---------------------------------------------------------------------------- public
 
@@ -279,7 +282,9 @@ class NodeAgent:
     def _sync(self, lease: int, full: bool) -> int:
         keys = self.store.keys
         node_info = self.backend.node_info()
-        gpus = {g.uuid: publishable(g) for g in self.backend.gpus()}
+        raw = self.backend.gpus()
+        self.last_node_info, self.last_gpus = node_info, tuple(raw)
+        gpus = {g.uuid: publishable(g) for g in raw}
         self._models = {u: g.model for u, g in gpus.items()}
         node_info = replace(node_info, gpu_count=len(gpus))
         self._log_health_changes(gpus.values())

@@ -110,6 +110,10 @@ def _backends(
     help="Replace a live agent that publishes the same node name (it stops at its next refresh); "
     "without it, the agent refuses to start.",
 )
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve the agent's per-GPU metrics (health, memory, temperature, ECC, XID) on this port.")
+@click.option("--metrics-addr", default="0.0.0.0", show_default=True, envvar="GPUPOOL_METRICS_ADDR", show_envvar=True,
+              help="Address the metrics port binds (127.0.0.1: this machine only).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def agent(
     node: str | None,
@@ -122,6 +126,8 @@ def agent(
     security: EtcdSecurity,
     prefix: str | None,
     take_over: bool,
+    metrics_port: int | None,
+    metrics_addr: str,
     log_level: str,
 ) -> None:
     """Publish a node's GPUs under the agent's etcd lease and keep their health current.
@@ -166,12 +172,23 @@ def agent(
             err=True,
         )
 
+    metrics = None
     try:
         agents = [
             NodeAgent(store, b, timing, refresh_interval_s=refresh_s, wake=wake, take_over=take_over) for b in backends
         ]
+        if metrics_port is not None:
+            from gpupool_sdk.telemetry.agent_metrics import serve_agent_metrics
+
+            try:
+                metrics = serve_agent_metrics(agents, metrics_port, metrics_addr)
+            except ConfigError as exc:
+                raise click.BadParameter(str(exc), param_hint="--metrics-port/--metrics-addr") from None
+            click.echo(f"agent: metrics on http://{metrics_addr}:{metrics.port}/metrics", err=True)
         run_agents(agents, stop, wake=wake, on_started=started)
     finally:
+        if metrics is not None:
+            metrics.close()
         restore()
         for b in backends:
             b.close()

@@ -55,7 +55,10 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
               show_default=True,
               help="Must match etcd's --max-txn-ops (`gpupool etcd` uses 1024). A gang's grant and release are one "
                    "transaction each, with an operation per slice: jobs that would need more than this are rejected.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics (pool and scheduler) on this port.")
+@click.option("--metrics-addr", default="0.0.0.0", show_default=True, envvar="GPUPOOL_METRICS_ADDR", show_envvar=True,
+              help="Address the metrics port binds (127.0.0.1: this machine only).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def coordinator(
     endpoints: str | None,
@@ -72,6 +75,7 @@ def coordinator(
     no_preemption: bool,
     etcd_max_txn_ops: int,
     metrics_port: int | None,
+    metrics_addr: str,
     log_level: str,
 ) -> None:
     """Run a coordinator replica: leader election, scheduling, fenced grants and preemptions."""
@@ -98,8 +102,16 @@ def coordinator(
     store = EtcdStore(
         resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=max(1.0, retry_timeout), security=security
     )
+    coord_metrics = None
+    if metrics_port is not None:
+        from gpupool_sdk.telemetry.coordinator_metrics import CoordinatorMetrics
+
+        coord_metrics = CoordinatorMetrics()
     try:
-        coord = Coordinator(store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait)
+        coord = Coordinator(
+            store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait,
+            on_cycle=coord_metrics.observe_cycle if coord_metrics is not None else None,
+        )
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--loop-wait") from None
     try:
@@ -116,11 +128,16 @@ def coordinator(
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     metrics = None
-    if metrics_port is not None:
+    if metrics_port is not None and coord_metrics is not None:
         from gpupool_sdk.telemetry.prometheus import serve_metrics
 
-        metrics = serve_metrics(store, metrics_port)
-        click.echo(f"metrics on http://0.0.0.0:{metrics.port}/metrics", err=True)
+        coord_metrics.watch(coord)
+        try:
+            metrics = serve_metrics(store, metrics_port, metrics_addr, extra_collectors=[coord_metrics])
+        except ConfigError as exc:
+            store.close()
+            raise click.BadParameter(str(exc), param_hint="--metrics-port/--metrics-addr") from None
+        click.echo(f"metrics on http://{metrics_addr}:{metrics.port}/metrics", err=True)
     click.echo(
         f"coordinator {coord.id} on {store.endpoint} prefix {store.keys.prefix} "
         f"(ttl {timing.ttl_s:g}s, loop_wait {coord.timing.loop_wait_s:g}s, retry_timeout {timing.retry_timeout_s:g}s, "

@@ -42,7 +42,16 @@ def metrics() -> None:
 @etcd_security_options
 @prefix_option
 @click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True, help="HTTP port (0: any free).")
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--addr", default="0.0.0.0", show_default=True, envvar="GPUPOOL_METRICS_ADDR", show_envvar=True,
+              help="Address to listen on (127.0.0.1: this machine only).")
+@click.option(
+    "--finished-ttl",
+    "finished_ttl_s",
+    type=click.FloatRange(min=0.0),
+    default=900.0,
+    show_default=True,
+    help="Seconds a finished job's usage counters stay exported after it was last charged.",
+)
 @click.option(
     "--min-interval",
     "min_interval_s",
@@ -59,6 +68,7 @@ def serve(
     prefix: str | None,
     port: int,
     addr: str,
+    finished_ttl_s: float,
     min_interval_s: float,
     prices_path: Path | None,
     timeout_s: float,
@@ -77,7 +87,9 @@ def serve(
         except StoreUnavailableError as exc:
             unreachable(endpoints, exc)
         try:
-            server = serve_metrics(store, port, addr=addr, prices=prices, min_interval_s=min_interval_s)
+            server = serve_metrics(
+                store, port, addr=addr, prices=prices, min_interval_s=min_interval_s, finished_ttl_s=finished_ttl_s
+            )
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--port") from None
         stop = threading.Event()

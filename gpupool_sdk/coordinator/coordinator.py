@@ -77,6 +77,9 @@ class CycleReport:
         applied: applied decisions by kind.
         duration_s: wall time of the cycle (monotonic).
         problems: malformed keys skipped.
+        decided: the scheduler's decisions (what metrics count by kind, reason and QoS).
+        granted_jobs: jobs whose grant was written this cycle.
+        snapshot: the snapshot the cycle scheduled on.
     """
 
     term: int
@@ -85,6 +88,9 @@ class CycleReport:
     applied: dict[str, int] = field(default_factory=dict)
     duration_s: float = 0.0
     problems: int = 0
+    decided: tuple[st.Decision, ...] = ()
+    granted_jobs: tuple[str, ...] = ()
+    snapshot: st.ClusterSnapshot | None = None
 
 
 @dataclass
@@ -346,6 +352,9 @@ class Coordinator:
                 applied=dict(report.applied),
                 duration_s=time.monotonic() - t0,
                 problems=len(state.problems),
+                decided=tuple(decisions),
+                granted_jobs=tuple(report.granted_jobs),
+                snapshot=state.snapshot,
             )
             self.stats.cycles += 1
             self.stats.decisions += len(decisions)

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool_sdk.errors import SchemaError
-from gpupool_sdk.resources import Allocation, GpuInfo, JobSpec, JobStatus, LeaderRecord
+from gpupool_sdk.resources import Allocation, GpuInfo, JobSpec, JobStatus, LeaderRecord, NodeInfo
 from gpupool_sdk.store.codec import decode
 from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.telemetry.summary import TelemetrySummary
 from gpupool_sdk.telemetry.usage import UsageRecord
 
 _DECODERS: Mapping[str, type] = {
+    "nodes": NodeInfo,
     "gpus": GpuInfo,
     "jobs.spec": JobSpec,
     "jobs.status": JobStatus,
@@ -38,6 +39,7 @@ class PoolView:
         now: wall-clock time of the read.
         revision: etcd revision of the read (0 for views built by hand).
         gpus: published GPUs by UUID.
+        nodes: node records published by the agents, by node name.
         cordoned: UUIDs with an operator cordon.
         specs: job specs by job name (live jobs).
         statuses: job statuses by job name.
@@ -51,6 +53,7 @@ class PoolView:
     now: float
     revision: int = 0
     gpus: Mapping[str, GpuInfo] = field(default_factory=dict)
+    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
     cordoned: frozenset[str] = frozenset()
     specs: Mapping[str, JobSpec] = field(default_factory=dict)
     statuses: Mapping[str, JobStatus] = field(default_factory=dict)
@@ -80,10 +83,11 @@ def view_from_kvs(
 ) -> PoolView:
     """Build a :class:`PoolView` from raw ``(key, value)`` pairs of the pool's keyspace.
 
-    Keys of kinds reporting does not use (acks, directives, nodes, checkpoints...) are ignored;
+    Keys of kinds reporting does not use (acks, directives, checkpoints...) are ignored;
     keys of unknown shape are ignored; malformed values of known kinds land in ``errors``.
     """
     gpus: dict[str, GpuInfo] = {}
+    nodes: dict[str, NodeInfo] = {}
     cordoned: set[str] = set()
     specs: dict[str, JobSpec] = {}
     statuses: dict[str, JobStatus] = {}
@@ -109,6 +113,8 @@ def view_from_kvs(
             continue
         if parsed.kind == "gpus":
             gpus[rec.uuid] = rec
+        elif parsed.kind == "nodes":
+            nodes[parsed.parts[0]] = rec
         elif parsed.kind == "jobs.spec":
             specs[parsed.parts[0]] = rec
         elif parsed.kind == "jobs.status":
@@ -125,6 +131,7 @@ def view_from_kvs(
         now=now,
         revision=revision,
         gpus=gpus,
+        nodes=nodes,
         cordoned=frozenset(cordoned),
         specs=specs,
         statuses=statuses,

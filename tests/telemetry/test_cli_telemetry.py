@@ -135,7 +135,7 @@ def test_metrics_serve_process(store: Any, etcd_endpoint: str, keyspace: Keyspac
         url = line.split(" on ", 1)[1].split(" ", 1)[0]
         with urllib.request.urlopen(url, timeout=30) as resp:
             text = resp.read().decode()
-        assert 'gpupool_job_cost_usd_total{job="bert",owner="nlp"} 8.0' in text
+        assert 'gpupool_job_cost_usd_total{job_name="bert",owner="nlp"} 8.0' in text
         assert "gpupool_leader_term 7.0" in text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
