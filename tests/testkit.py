@@ -61,3 +61,24 @@ def stop_groups(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 10.0) -
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+
+
+def publish_gpus(store: Any, gpus: Sequence[Any], lease: int | None = None, ttl_s: int = 60) -> int:
+    """Publish ``gpus`` (``GpuInfo``) as an agent would: each node key and its GPUs on one lease.
+
+    The coordinator acts only on GPUs whose node key is present on the same lease (issue 12), so a
+    test that writes GPUs by hand writes the node keys too. Returns the lease (granted when None).
+    """
+    from gpupool_sdk.resources import NodeInfo
+
+    if lease is None:
+        lease = store.grant_lease(ttl_s)
+    counts: dict[str, int] = {}
+    for g in gpus:
+        store.put(store.keys.gpu(g.node, g.uuid), g, lease=lease)
+        counts[g.node] = counts.get(g.node, 0) + 1
+    for node, n in counts.items():
+        info = NodeInfo(name=node, hostname="test", agent_pid=os.getpid(), gpu_count=n, backend="simulated",
+                        started_at=time.time())
+        store.put(store.keys.node(node), info, lease=lease)
+    return lease

@@ -5,6 +5,21 @@ One ``get_prefix`` of the whole pool prefix is read at one etcd revision and par
 (each job's etcd lease, its spec's create revision, its current status) and what ``gpupool status``
 shows (leader, nodes, usage). A value that does not parse is reported as a :class:`Problem`
 naming the key and skipped: one hand-edited key never stops the pool.
+
+**Only keys backed by a live lease of the right writer are acted on** (issue 12): a key with a
+lease exists only while that lease lives (etcd deletes it with the lease), so the checks are on
+the lease ids of one consistent read:
+
+* ``nodes/{node}`` must be on a lease (its agent's);
+* ``gpus/{node}/{uuid}`` must be on the same lease as ``nodes/{node}``, which must be present;
+  memory above :data:`MAX_GPU_MEMORY_BYTES` is refused as implausible;
+* ``jobs/{job}/spec`` must be on a lease that is not an agent's or the leader's.
+
+Anything else is a :class:`Problem` (logged once per key and revision), never granted and never
+counted as capacity. Allocations are a different matter: *every* allocation in etcd takes
+physical memory, whoever wrote it. One that belongs to no live job (no lease, no valid spec, or
+a lease other than its spec's) is an :class:`Orphan`: listed as a problem, counted as used by
+the scheduler (``ClusterSnapshot.orphans``) and garbage-collected by the leader after a grace.
 """
 
 from __future__ import annotations
@@ -38,6 +53,10 @@ log = logging.getLogger(__name__)
 # States in which a job holds (or is about to give back) slices.
 HOLDING_STATES = frozenset({JobState.GRANTED, JobState.PREEMPTING})
 
+#: A GPU key claiming more memory than this (16 TiB) is refused as implausible: a value this
+#: large is a hand edit or corruption, and granting on it would overcommit the real device.
+MAX_GPU_MEMORY_BYTES = 16 * 2**40
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -45,6 +64,25 @@ class Problem:
 
     key: str
     message: str
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A leader-owned job key that belongs to no live job (garbage-collected after a grace).
+
+    Attributes:
+        key: the etcd key.
+        mod_revision: its mod revision at the read (the fenced delete compares it).
+        lease: the lease it is attached to (0: none, so it would never expire on its own).
+        reason: why it is an orphan.
+        allocation: the allocation it holds, for allocation keys (counted as used until deleted).
+    """
+
+    key: str
+    mod_revision: int
+    lease: int
+    reason: str
+    allocation: Allocation | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +120,7 @@ class PoolState:
         nodes: node records by name.
         jobs: coordinator-side details of every job with a valid spec.
         allocations: every valid allocation, including orphans whose job has no spec.
+        orphans: allocations (and statuses, directives) that belong to no live job.
         resumes: every ``checkpoints/{job}`` record.
         usage: raw ``usage/{job}`` bodies.
         cordons: operator intent bodies by GPU UUID (reason, by, at), ``{}`` when unreadable.
@@ -96,6 +135,7 @@ class PoolState:
     nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
     jobs: Mapping[str, JobMeta] = field(default_factory=dict)
     allocations: tuple[Allocation, ...] = ()
+    orphans: tuple[Orphan, ...] = ()
     resumes: Mapping[str, ResumeRecord] = field(default_factory=dict)
     usage: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     cordons: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -179,21 +219,23 @@ def build_state(
     """
     problems: list[Problem] = []
 
-    def bad(key: str, message: str) -> None:
-        if cache is None or cache.reported.get(key) != message:
+    def bad(key: str, message: str, revision: int = 0) -> None:
+        # One warning per key, revision and reason: a key that stays bad is not logged every cycle.
+        mark = f"{revision}:{message}"
+        if cache is None or cache.reported.get(key) != mark:
             log.warning("skipping %s: %s", key, message)
             if cache is not None:
-                cache.reported[key] = message
+                cache.reported[key] = mark
         problems.append(Problem(key, message))
 
-    gpus: dict[str, GpuInfo] = {}
-    nodes: dict[str, NodeInfo] = {}
+    gpu_kvs: list[tuple[GpuInfo, KeyValue]] = []
+    node_kvs: dict[str, tuple[NodeInfo, KeyValue]] = {}
     cordoned: set[str] = set()
     draining: set[str] = set()
-    specs: dict[str, tuple[JobSpec, KeyValue]] = {}
-    statuses: dict[str, tuple[JobStatus, int]] = {}
-    allocations: list[Allocation] = []
-    directives: dict[str, Directive] = {}
+    spec_kvs: list[tuple[JobSpec, KeyValue]] = []
+    status_kvs: dict[str, tuple[JobStatus, KeyValue]] = {}
+    alloc_kvs: list[tuple[Allocation, KeyValue]] = []
+    directive_kvs: dict[str, tuple[Directive, KeyValue]] = {}
     acks: dict[str, Ack] = {}
     telemetry: dict[str, Mapping[str, Any]] = {}
     resumes: dict[str, ResumeRecord] = {}
@@ -202,6 +244,7 @@ def build_state(
     drains: dict[str, Mapping[str, Any]] = {}
     leader: LeaderRecord | None = None
     leader_rev = 0
+    leader_lease = 0
 
     seen: set[str] = set()
 
@@ -231,9 +274,12 @@ def build_state(
                 g = parse(kv, GpuInfo)
                 if g.uuid != parts[1] or g.node != parts[0]:
                     raise SchemaError(kv.key, f"names GPU {g.node}/{g.uuid}, not the one in its key")
-                gpus[g.uuid] = g
+                gpu_kvs.append((g, kv))
             elif kind == "nodes":
-                nodes[parts[0]] = parse(kv, NodeInfo)
+                info = parse(kv, NodeInfo)
+                if info.name != parts[0]:
+                    raise SchemaError(kv.key, f"names node {info.name!r}, not {parts[0]!r}")
+                node_kvs[parts[0]] = (info, kv)
             elif kind in ("cordons", "drains"):
                 # The key's presence is the intent; its value (reason, who, when) is informative only.
                 (cordoned if kind == "cordons" else draining).add(parts[0])
@@ -245,16 +291,16 @@ def build_state(
                 spec = parse(kv, JobSpec)
                 if spec.name != parts[0]:
                     raise SchemaError(kv.key, f"spec names job {spec.name!r}, not {parts[0]!r}")
-                specs[spec.name] = (spec, kv)
+                spec_kvs.append((spec, kv))
             elif kind == "jobs.status":
-                statuses[parts[0]] = (parse(kv, JobStatus), kv.mod_revision)
+                status_kvs[parts[0]] = (parse(kv, JobStatus), kv)
             elif kind == "allocations":
                 a = parse(kv, Allocation)
                 if (a.node, a.gpu_uuid, a.job) != parts:
                     raise SchemaError(kv.key, "allocation fields do not match its key")
-                allocations.append(a)
+                alloc_kvs.append((a, kv))
             elif kind == "directives":
-                directives[parts[0]] = parse(kv, Directive)
+                directive_kvs[parts[0]] = (parse(kv, Directive), kv)
             elif kind == "acks":
                 acks[parts[0]] = parse(kv, Ack)
             elif kind == "telemetry":
@@ -266,14 +312,95 @@ def build_state(
             elif kind == "leader":
                 leader = parse(kv, LeaderRecord)
                 leader_rev = kv.create_revision
+                leader_lease = kv.lease
         except SchemaError as exc:
-            bad(kv.key, str(exc).removeprefix(kv.key + ": "))
+            bad(kv.key, str(exc).removeprefix(kv.key + ": "), kv.mod_revision)
     if cache is not None:
         cache.prune(seen)
 
+    # Agents: a node key on a lease (its agent's); GPUs on that same lease, with the node key present.
+    nodes: dict[str, NodeInfo] = {}
+    node_lease: dict[str, int] = {}
+    for name, (info, kv) in sorted(node_kvs.items()):
+        if not kv.lease:
+            bad(kv.key, "no lease: an agent publishes its node on its own etcd lease; ignored "
+                f"(delete it with `etcdctl del {kv.key}`)", kv.mod_revision)
+            continue
+        nodes[name] = info
+        node_lease[name] = kv.lease
+    agent_leases = set(node_lease.values())
+    gpus: dict[str, GpuInfo] = {}
+    for g, kv in gpu_kvs:
+        owner = node_lease.get(g.node)
+        if not kv.lease:
+            bad(kv.key, "no lease: a GPU is published by its agent on the agent's etcd lease; ignored, never granted",
+                kv.mod_revision)
+        elif owner is None:
+            bad(kv.key, f"no live node key {keyspace.node(g.node)}: no agent publishes node {g.node!r}; "
+                "ignored, never granted", kv.mod_revision)
+        elif kv.lease != owner:
+            bad(kv.key, f"on etcd lease {kv.lease:x}, not the lease {owner:x} of its agent "
+                f"({keyspace.node(g.node)}); ignored, never granted", kv.mod_revision)
+        elif g.memory_bytes > MAX_GPU_MEMORY_BYTES:
+            bad(kv.key, f"memory_bytes {g.memory_bytes} is implausible (above {MAX_GPU_MEMORY_BYTES}); "
+                "ignored, never granted", kv.mod_revision)
+        else:
+            gpus[g.uuid] = g
+
+    # Jobs: a spec on a lease of its own (not an agent's, not the leader's).
+    specs: dict[str, tuple[JobSpec, KeyValue]] = {}
+    for spec, kv in spec_kvs:
+        if not kv.lease:
+            bad(kv.key, "no lease: a job's spec must be created on the job's own etcd lease (PoolClient does this); "
+                f"ignored, never granted (delete it with `etcdctl del {kv.key}`)", kv.mod_revision)
+        elif kv.lease in agent_leases or (leader_lease and kv.lease == leader_lease):
+            writer = "an agent's" if kv.lease in agent_leases else "the leader's"
+            bad(kv.key, f"on etcd lease {kv.lease:x}, which is {writer}, not a job's; ignored, never granted",
+                kv.mod_revision)
+        else:
+            specs[spec.name] = (spec, kv)
+
+    # Leader-owned job keys belong to the live spec of their job, on its lease; the rest are orphans.
+    orphans: list[Orphan] = []
+
+    def owner_problem(job: str, kv: KeyValue) -> str | None:
+        own = specs.get(job)
+        if not kv.lease:
+            return "no lease: it would never expire"
+        if own is None:
+            return f"job {job!r} has no live spec"
+        if own[1].lease != kv.lease:
+            return f"on etcd lease {kv.lease:x}, not its job's lease {own[1].lease:x} (an earlier incarnation)"
+        return None
+
+    def orphan(kv: KeyValue, reason: str, allocation: Allocation | None = None) -> None:
+        orphans.append(Orphan(kv.key, kv.mod_revision, kv.lease, reason, allocation))
+        bad(kv.key, f"orphan: {reason}" + ("; counted as used until the leader deletes it" if allocation else ""),
+            kv.mod_revision)
+
+    allocations: list[Allocation] = []
     allocs_by_job: dict[str, list[Allocation]] = {}
-    for a in allocations:
-        allocs_by_job.setdefault(a.job, []).append(a)
+    for a, kv in alloc_kvs:
+        allocations.append(a)
+        why = owner_problem(a.job, kv)
+        if why is None:
+            allocs_by_job.setdefault(a.job, []).append(a)
+        else:
+            orphan(kv, why, a)
+    statuses: dict[str, tuple[JobStatus, int]] = {}
+    for job, (st_, kv) in status_kvs.items():
+        why = owner_problem(job, kv)
+        if why is None:
+            statuses[job] = (st_, kv.mod_revision)
+        else:
+            orphan(kv, why)
+    directives: dict[str, Directive] = {}
+    for job, (d, kv) in directive_kvs.items():
+        why = owner_problem(job, kv)
+        if why is None:
+            directives[job] = d
+        else:
+            orphan(kv, why)
 
     views: dict[str, JobView] = {}
     metas: dict[str, JobMeta] = {}
@@ -329,6 +456,7 @@ def build_state(
         cordoned=frozenset(cordoned),
         draining=frozenset(draining),
         term=term,
+        orphans=tuple(o.allocation for o in orphans if o.allocation is not None),
     )
     return PoolState(
         snapshot=snap,
@@ -338,6 +466,7 @@ def build_state(
         nodes=nodes,
         jobs=metas,
         allocations=tuple(allocations),
+        orphans=tuple(orphans),
         resumes=resumes,
         usage=usage,
         cordons=cordons,

@@ -215,6 +215,17 @@ class Ledger:
             for h in holdings:
                 counter[self.nodes[h.gpu]] += 1
 
+    def occupy(self, holdings: Sequence[Holding], reindex: bool = True) -> None:
+        """Count ``holdings`` as used by nobody the scheduler may move (orphaned allocations).
+
+        Unlike :meth:`reserve` they belong to no job: no preemption or release frees them, so
+        neither a grant nor a victim search ever treats their memory as free.
+        """
+        for h in holdings:
+            self.loads[h.gpu].add(h.qos, h.memory, h.compute, h.peak)
+            if reindex:
+                self._reindex(h.gpu)
+
     def unreserve(self, job: str) -> list[Holding]:
         """Free everything ``job`` holds; returns the holdings (give them to :meth:`restore` to undo)."""
         held = self.holdings.pop(job, [])

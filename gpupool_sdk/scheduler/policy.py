@@ -3,7 +3,7 @@
 Stages, in the manner of the Kubernetes scheduling framework (one cycle at a time, a tentative
 capacity ledger with reserve / un-reserve):
 
-1. ledger: committed capacity from every allocation in the snapshot (:mod:`.ledger`);
+1. ledger: committed capacity from every allocation in the snapshot, orphans included (:mod:`.ledger`);
 2. protocol: acks and missed deadlines -> Release / Revoke / Shrink / Preempt (:mod:`.protocol`);
 3. health / drain: jobs on unhealthy GPUs or draining nodes -> Preempt (:mod:`.health`);
 4. reject: specs no GPU of the pool could ever satisfy -> Reject (:mod:`.reject`);
@@ -109,6 +109,12 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
                 held.append(Holding(i, a.mode, a.memory_bytes, a.compute_share, peak))
         held_by_job[name] = (view, held)
         ledger.reserve(name, held, view.spec.anti_affinity, reindex=False)
+    # Allocations of no live job still take their GPU's memory until the leader deletes them.
+    ledger.occupy(
+        [Holding(index_of[a.gpu_uuid], a.mode, a.memory_bytes, a.compute_share, a.memory_bytes)
+         for a in snapshot.orphans if a.gpu_uuid in index_of],
+        reindex=False,
+    )
     memo.config, memo.held_layout, memo.held = config, layout, held_by_job
     ledger.rebuild_index()
     return ledger

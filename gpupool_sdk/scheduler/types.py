@@ -200,6 +200,9 @@ class ClusterSnapshot:
         cordoned: UUIDs of GPUs an operator cordoned (no new grants; running jobs stay).
         draining: nodes being drained (no new grants; running jobs are preempted).
         term: the leader term the decisions will be written under.
+        orphans: allocations present in etcd that belong to no live job (no lease, no spec, or
+            an earlier incarnation's lease). Their memory and compute count as used until the
+            leader deletes them; they are never granted, preempted or released by the scheduler.
     """
 
     now: float
@@ -208,6 +211,7 @@ class ClusterSnapshot:
     cordoned: frozenset[str] = frozenset()
     draining: frozenset[str] = frozenset()
     term: int = 0
+    orphans: tuple[Allocation, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from testkit import publish_gpus
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator.apply import Applier, housekeeping, plan
@@ -21,6 +22,7 @@ from gpupool_sdk.resources import (
     JobSpec,
     JobState,
     JobStatus,
+    NodeInfo,
     QoS,
 )
 from gpupool_sdk.scheduler import Scheduler
@@ -49,6 +51,7 @@ def _state(status: JobStatus | None = None, held: int = 0, directive: Directive 
 
     for g in parse_cluster_spec("node-a:2xH100-80GB:nvlink"):
         put(KS.gpu(g.node, g.uuid), g, 9)
+    put(KS.node("node-a"), NodeInfo(name="node-a", hostname="test", agent_pid=1, gpu_count=2, backend="simulated", started_at=0.0), 9)
     put(KS.job_spec("j"), JobSpec(name="j", gpus=2, memory="10GiB", qos="guaranteed"), LEASE)
     if status is not None:
         put(KS.job_status("j"), status, LEASE)
@@ -196,8 +199,7 @@ def test_grant_is_not_applied_once_the_job_restarted(store: EtcdStore) -> None:
         writer = FencedWriter(store, election.fence, election.demote)
         applier = Applier(writer, ks, CFG, store.revoke_lease)
         lease = store.grant_lease(10)
-        for g in parse_cluster_spec("node-a:1xH100-80GB:pcie"):
-            store.put(ks.gpu(g.node, g.uuid), g, lease=lease)
+        publish_gpus(store, parse_cluster_spec("node-a:1xH100-80GB:pcie"))
         store.put(ks.job_spec("j"), JobSpec(name="j", gpus=1, memory="10GiB"), lease=lease)
         kvs, rev = store.get_prefix(ks.root())
         state = build_state(kvs, ks, NOW, rev, election.term)
@@ -226,8 +228,7 @@ def test_shrink_for_a_pending_job_end_to_end(store: EtcdStore) -> None:
         applier = Applier(writer, ks, cfg, store.revoke_lease)
         lease = store.grant_lease(30)
         pool = parse_cluster_spec("node-a:4xH100-80GB:nvlink")
-        for g in pool:
-            store.put(ks.gpu(g.node, g.uuid), g, lease=lease)
+        publish_gpus(store, pool)
         store.put(ks.job_spec("el"), JobSpec(name="el", gpus=4, min_gpus=2, max_gpus=4, memory="70GiB"), lease=lease)
         store.put(ks.job_status("el"), JobStatus(JobState.GRANTED, "granted", 900.0, 800.0, 900.0, term=election.term,
                                                  gpus=4), lease=lease)

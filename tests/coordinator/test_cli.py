@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from testkit import publish_gpus
 
 from gpupool_sdk.cli.common import EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_USAGE
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
@@ -35,17 +36,16 @@ def gpupool(etcd_endpoint: str, store: EtcdStore) -> Run:
 
 def _populate(store: EtcdStore) -> list[str]:
     ks = store.keys
-    lease = store.grant_lease(30)
     gpus = parse_cluster_spec("node-a:2xA100-40GB:pcie")
-    for g in gpus:
-        store.put(ks.gpu(g.node, g.uuid), g, lease=lease)
+    publish_gpus(store, gpus, ttl_s=30)
+    lease = store.grant_lease(30)  # the jobs' lease (not the agent's)
     store.put(ks.job_spec("bert"), JobSpec(name="bert", gpus=1, memory="10GiB", priority=3), lease=lease)
     store.put(ks.job_status("bert"), JobStatus(JobState.GRANTED, "granted 1 slice on node-a", term=2, gpus=1), lease=lease)
     store.put(ks.allocation("node-a", gpus[0].uuid, "bert"),
               Allocation("bert", "node-a", gpus[0].uuid, 0, 10 * GiB, 1.0, QoS.GUARANTEED, 2), lease=lease)
     store.put(ks.job_spec("waiting"), JobSpec(name="waiting", gpus=1, memory="50GiB", priority=1), lease=lease)
     store.put(ks.job_status("waiting"), JobStatus(JobState.PENDING, "queued: no GPU with 50GiB", 1.0, 1.0), lease=lease)
-    store.put(ks.leader(), LeaderRecord("coord-x", 2, time.time()), lease=lease)
+    store.put(ks.leader(), LeaderRecord("coord-x", 2, time.time()), lease=store.grant_lease(30))
     return [g.uuid for g in gpus]
 
 

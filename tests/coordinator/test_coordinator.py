@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from testkit import publish_gpus
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
@@ -29,9 +30,7 @@ def _wait(cond: object, what: str, timeout: float = 30.0) -> None:
 
 @pytest.fixture
 def running(store: EtcdStore) -> Iterator[tuple[Coordinator, list[CycleReport]]]:
-    lease = store.grant_lease(30)
-    for g in parse_cluster_spec("node-a:2xA100-40GB:pcie"):
-        store.put(store.keys.gpu(g.node, g.uuid), g, lease=lease)
+    publish_gpus(store, parse_cluster_spec("node-a:2xA100-40GB:pcie"), ttl_s=30)
     reports: list[CycleReport] = []
     coord = Coordinator(store, SchedulerConfig(), TIMING, "inproc", loop_wait_s=0.5, usage_flush_s=0.3,
                         on_cycle=reports.append)

@@ -17,6 +17,7 @@ from gpupool_sdk.resources import (
     JobState,
     JobStatus,
     LeaderRecord,
+    NodeInfo,
     QoS,
 )
 from gpupool_sdk.store.codec import encode
@@ -44,6 +45,7 @@ def _pool() -> Items:
     it = Items()
     for g in parse_cluster_spec("node-a:2xA100-40GB:pcie"):
         it.put(KS.gpu(g.node, g.uuid), g, lease=7)
+    it.put(KS.node("node-a"), NodeInfo(name="node-a", hostname="test", agent_pid=1, gpu_count=2, backend="simulated", started_at=0.0), lease=7)  # the agent's node key
     return it
 
 

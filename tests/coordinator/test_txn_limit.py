@@ -21,7 +21,17 @@ from gpupool_sdk.coordinator.fencing import DeleteOp, Fence, Guard, Op, PutOp, f
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.errors import ConfigError, TxnTooLargeError
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import Allocation, Directive, DirectiveKind, GiB, JobSpec, JobState, JobStatus, QoS
+from gpupool_sdk.resources import (
+    Allocation,
+    Directive,
+    DirectiveKind,
+    GiB,
+    JobSpec,
+    JobState,
+    JobStatus,
+    NodeInfo,
+    QoS,
+)
 from gpupool_sdk.scheduler import Scheduler
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.scheduler.reject import (
@@ -56,6 +66,9 @@ def _state(jobs: Sequence[tuple[str, int, int]], directive: bool = False, status
 
     for g in GPUS:
         put(KS.gpu(g.node, g.uuid), g, 9)
+    for node in sorted({g.node for g in GPUS}):
+        put(KS.node(node), NodeInfo(name=node, hostname="test", agent_pid=1, gpu_count=8, backend="simulated",
+                                    started_at=0.0), 9)
     start = 0
     for name, gpus, held in jobs:
         put(KS.job_spec(name), JobSpec(name=name, gpus=gpus, memory="1GiB"), LEASE)
