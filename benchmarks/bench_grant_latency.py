@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import JobSpec, JobState, JobStatus
+from gpupool_sdk.resources import JobSpec, JobState, JobStatus, NodeInfo
 from gpupool_sdk.store import EtcdServer, EtcdStore, Keyspace, WatchEvent
 from gpupool_sdk.store.codec import decode
 
@@ -76,8 +76,13 @@ def run(n: int = 200) -> dict[str, Any]:
     try:
         store.delete_prefix(keys.root())
         agent_lease = store.grant_lease(60)
-        for g in parse_cluster_spec(CLUSTER):
+        gpus = parse_cluster_spec(CLUSTER)
+        for g in gpus:
             store.put(keys.gpu(g.node, g.uuid), g, lease=agent_lease)
+        for node in sorted({g.node for g in gpus}):  # the coordinator uses GPUs only with their node key
+            store.put(keys.node(node), NodeInfo(name=node, hostname="bench", agent_pid=os.getpid(),
+                                                gpu_count=sum(g.node == node for g in gpus), backend="simulated",
+                                                started_at=time.time()), lease=agent_lease)
         coord = subprocess.Popen(
             [sys.executable, "-m", "gpupool_sdk.cli.main", "coordinator", "--endpoints", server.endpoint,
              "--prefix", keys.prefix, "--id", "bench", "--ttl", "10", "--loop-wait", "2", "--log-level", "warning"],
