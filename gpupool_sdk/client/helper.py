@@ -29,9 +29,10 @@ from gpupool_sdk.errors import (
     JobRejectedError,
     LeaseLostError,
     SchemaError,
+    SpecError,
 )
 from gpupool_sdk.resources import Allocation, Directive, JobSpec, JobState, JobStatus
-from gpupool_sdk.store.codec import decode
+from gpupool_sdk.store.codec import decode, decode_dict
 from gpupool_sdk.store.etcd_store import EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.lease import LeaseKeeper
@@ -289,8 +290,12 @@ class Helper:
         try:
             d = decode(kv.key, kv.value, Directive)
         except SchemaError as exc:
-            log.warning("ignoring malformed directive: %s", exc)
-            return
+            # A kind from a newer coordinator reaches the job, which acks it as refused.
+            try:
+                d = Directive.from_dict(decode_dict(kv.key, kv.value, keep_kind=True), unknown_ok=True)
+            except (SchemaError, SpecError, TypeError, ValueError):
+                log.warning("ignoring malformed directive: %s", exc)
+                return
         with self._lock:
             if d.seq <= s.last_seq or s.ended:
                 return
@@ -389,6 +394,11 @@ class Helper:
             self._end(s, revoke=True)
 
 
+def _alive(parent_pid: int) -> bool:
+    # Same test as Helper.parent_alive: re-parented means the training process is gone.
+    return os.getppid() == parent_pid
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m gpupool_sdk.client.helper FD`` with the config as first message."""
     args = sys.argv[1:] if argv is None else argv
@@ -405,7 +415,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=level, format="gpupool-helper %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
 
+    parent_pid = cfg["parent_pid"]
+
     def on_term(signum: int, frame: object) -> None:
+        # A SIGTERM sent to the whole process group (scancel, `kill -TERM -PGID`) reaches the
+        # helper too: while the training process lives it decides (it checkpoints, acks through
+        # this helper, then closes the pipe), so the lease must outlive the signal.
+        if parent_pid is not None and _alive(int(parent_pid)):
+            log.info("SIGTERM ignored: the training process %d is alive and will release the lease", parent_pid)
+            return
         stop.set()
         raise SystemExit(0)
 

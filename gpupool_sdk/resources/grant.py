@@ -92,7 +92,8 @@ class Directive:
     """A request from the leader to one job (``directives/{job}``).
 
     Attributes:
-        kind: what to do.
+        kind: what to do (a plain string only for a kind this release does not know, parsed
+            with ``unknown_ok`` on the training side).
         seq: increases with every directive to the job; acks name it.
         deadline: wall-clock time by which the ack must arrive (a preempt past it is forced).
         target: kind-specific parameters (``{"memory_bytes": ...}`` or ``{"gpus": ...}``).
@@ -101,7 +102,7 @@ class Directive:
         term: leader term that wrote it.
     """
 
-    kind: DirectiveKind
+    kind: DirectiveKind | str
     seq: int
     deadline: float
     target: Mapping[str, Any] = field(default_factory=dict)
@@ -111,7 +112,7 @@ class Directive:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "kind": self.kind.value,
+            "kind": self.kind.value if isinstance(self.kind, DirectiveKind) else str(self.kind),
             "seq": self.seq,
             "deadline": self.deadline,
             "target": dict(self.target),
@@ -121,12 +122,20 @@ class Directive:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "directive") -> Directive:
+    def from_dict(cls, d: Mapping[str, Any], where: str = "directive", unknown_ok: bool = False) -> Directive:
+        """Parse a directive; an unknown ``kind`` is a SpecError unless ``unknown_ok``.
+
+        With ``unknown_ok`` (the training side), an unknown kind (from a newer coordinator) is
+        kept as its string, so that the job can ack it as refused instead of dropping it.
+        """
         kind = req(d, "kind", str, where)
+        k: DirectiveKind | str
         try:
             k = DirectiveKind(kind)
         except ValueError:
-            raise SpecError(f"{where}.kind", f"unknown directive {kind!r}") from None
+            if not unknown_ok:
+                raise SpecError(f"{where}.kind", f"unknown directive {kind!r}") from None
+            k = kind
         return cls(
             kind=k,
             seq=req(d, "seq", int, where),
