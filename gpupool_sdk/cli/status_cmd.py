@@ -207,12 +207,15 @@ def render(state: PoolState, endpoint: str) -> Group:
         parts.append(gpus)
 
     jobs = Table(title="Jobs", title_justify="left")
-    for c in ("JOB", "STATE", "PRIO", "QOS", "SLICES", "ALLOCATIONS", "REASON"):
+    # LEASE is hex, as etcdctl takes it: `etcdctl lease timetolive <LEASE> --keys` lists what the job holds.
+    for c in ("JOB", "STATE", "PRIO", "QOS", "SLICES", "ALLOCATIONS", "LEASE", "REASON"):
         jobs.add_column(c)
     for j in d["jobs"]:
         mem = "whole" if j["memory_bytes"] == 0 else format_size(j["memory_bytes"])
         allocs = " ".join(f"{a['node']}/{a['gpu_index']}" for a in j["allocations"]) or "-"
-        jobs.add_row(j["name"], j["state"], str(j["priority"]), j["qos"], f"{j['gpus']}x{mem}", allocs, j["reason"])
+        jobs.add_row(
+            j["name"], j["state"], str(j["priority"]), j["qos"], f"{j['gpus']}x{mem}", allocs, j["lease"], j["reason"]
+        )
     parts.append(jobs if d["jobs"] else Text("no jobs"))
 
     if d["queue"]:

@@ -173,10 +173,10 @@ class Helper:
             spec_key = self.keys.job_spec(job)
             if not self.store.create(spec_key, spec, lease=lease_id):
                 kv = self.store.get(spec_key)
-                holder = f"etcd lease {kv.lease} (hex {kv.lease:x})" if kv is not None and kv.lease else "no lease"
+                holder = f"etcd lease {kv.lease:x}" if kv is not None and kv.lease else "no lease"
                 raise JobAlreadyRunningError(
                     f"job {job!r} is already running: {spec_key} is held by {holder}; "
-                    f"see `etcdctl lease timetolive {kv.lease if kv else 0} --keys`; stop that job or choose another name"
+                    f"see `etcdctl lease timetolive {kv.lease if kv else 0:x} --keys`; stop that job or choose another name"
                 )
             session = _Session(spec=spec, keeper=keeper, lease_id=lease_id, pending_id=req_id)
             session.deadline = None if timeout is None else time.monotonic() + timeout

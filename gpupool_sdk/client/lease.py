@@ -36,6 +36,12 @@ class Lease:
         >>> for directive in lease.directives():                                      # doctest: +SKIP
         ...     lease.ack(directive, step=step, checkpoint=save())
         >>> lease.release()                                                           # doctest: +SKIP
+
+    Attributes:
+        etcd_lease_id: the job's etcd lease id as an int (for code).
+        etcd_lease_hex: the same id in hex, the form ``etcdctl`` takes: ``etcdctl lease
+            timetolive <etcd_lease_hex> --keys`` lists every key the job holds (its spec, status,
+            allocations, directive, ack and telemetry).
     """
 
     def __init__(self, client: PoolClient, spec: JobSpec, lease_id: int, node: str) -> None:
@@ -57,6 +63,11 @@ class Lease:
     @property
     def job(self) -> str:
         return self.spec.name
+
+    @property
+    def etcd_lease_hex(self) -> str:
+        """The etcd lease id in hex, as ``etcdctl lease timetolive`` / ``revoke`` take it (``"694d9a1c2e3b4f10"``)."""
+        return format(self.etcd_lease_id, "x")
 
     @property
     def status(self) -> JobStatus | None:
@@ -81,6 +92,10 @@ class Lease:
         """Comma-separated GPU indices of this node's slices (for ``CUDA_VISIBLE_DEVICES``)."""
         idx = sorted({a.gpu_index for a in self.allocations if a.node == self.node})
         return ",".join(str(i) for i in idx)
+
+    def device_indices(self) -> list[str]:
+        """:attr:`visible_devices` as a list (``["0", "2"]``; empty when no local device is known)."""
+        return [x for x in self.visible_devices.split(",") if x]
 
     @property
     def lost(self) -> bool:
@@ -193,6 +208,14 @@ class Lease:
 
     # ------------------------------------------------------------------ fed by the reader thread
 
+    def _granted(self, lease_id: int) -> None:
+        """Record the etcd lease the grant is attached to, and log how to inspect it."""
+        self.etcd_lease_id = lease_id
+        log.info(
+            "job %s granted %d slice(s) on etcd lease %s; inspect with: etcdctl lease timetolive %s --keys",
+            self.job, len(self.allocations), self.etcd_lease_hex, self.etcd_lease_hex,
+        )
+
     def _update(self, status: JobStatus | None, allocations: tuple[Allocation, ...]) -> None:
         with self._cond:
             changed = status != self._status
@@ -217,7 +240,7 @@ class Lease:
             callbacks = list(self._callbacks)
             self._cond.notify_all()
         self._directives.put(_END)
-        log.warning("lease of job %s lost: %s", self.job, reason)
+        log.warning("etcd lease %s of job %s lost: %s", self.etcd_lease_hex, self.job, reason)
         for cb in callbacks:
             try:
                 cb(reason)
@@ -239,4 +262,4 @@ class Lease:
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self._released else (self._status.state.value if self._status else "?")
-        return f"Lease(job={self.job!r}, etcd_lease_id={self.etcd_lease_id}, {state}, slices={len(self.allocations)})"
+        return f"Lease(job={self.job!r}, etcd_lease={self.etcd_lease_hex}, {state}, slices={len(self.allocations)})"

@@ -138,7 +138,7 @@ class PoolClient:
         >>> from gpupool_sdk import PoolClient, JobSpec
         >>> with PoolClient(endpoints="127.0.0.1:2379") as pool:                  # doctest: +SKIP
         ...     lease = pool.acquire(JobSpec(name="bert-ft", gpus=2, memory="30GiB"), timeout=600)
-        ...     print(lease.allocations, lease.etcd_lease_id)
+        ...     print(lease.allocations, lease.etcd_lease_hex)  # etcdctl lease timetolive <hex> --keys
         ...     lease.release()
     """
 
@@ -424,7 +424,7 @@ class PoolClient:
                     self._send({"op": "release", "job": spec.name, "id": -1})
             raise
         # The helper sent the granted state before this reply, so the lease already holds it.
-        lease.etcd_lease_id = int(result["lease_id"])
+        lease._granted(int(result["lease_id"]))
         self._leases[spec.name] = lease
         return lease
 

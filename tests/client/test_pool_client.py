@@ -110,7 +110,7 @@ def test_same_name_while_live_is_an_error_naming_the_lease(etcd_endpoint: str, p
     lease = out["lease"]
     assert isinstance(lease, Lease)
     other = PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=TIMING, in_process=True)
-    with other, pytest.raises(JobAlreadyRunningError, match=str(lease.etcd_lease_id)):
+    with other, pytest.raises(JobAlreadyRunningError, match=f"etcdctl lease timetolive {lease.etcd_lease_hex} --keys"):
         other.acquire(spec(), timeout=5)
     with pytest.raises(JobAlreadyRunningError):
         pool.acquire(spec(), timeout=5)  # same client
