@@ -246,6 +246,11 @@ def plan(
     term = state.snapshot.term
     if meta is None or view is None:
         return Plan(job, kind)  # the spec vanished since the snapshot: nothing to write for it
+    if not meta.lease:
+        # Never reached through build_state (a spec without a lease is ignored there); a key the
+        # leader wrote without a lease would outlive the job forever, so refuse it here as well.
+        log.error("%s for %s not planned: its spec has no etcd lease", kind, job)
+        return Plan(job, kind)
     guards = _guard(ks, meta)
     old = meta.status
 

@@ -19,6 +19,11 @@ minimum run times pass without any key changing. Each wake-up:
    ``usage/{job}`` record ends; only a job that ended before the new leader saw it loses what the
    old leader had not flushed yet (at most ``usage_flush_s``).
 
+4. **Orphans.** A leader-owned job key that belongs to no live job (no lease, no valid spec, or
+   an earlier incarnation's lease; see :mod:`~gpupool_sdk.coordinator.snapshot`) is counted as
+   used by the scheduler and deleted by the leader once it has seen it unchanged for
+   ``orphan_grace_s``, in a transaction fenced on the leader key and on the key's mod revision.
+
 Every transaction fits etcd's ``--max-txn-ops``: ``SchedulerConfig.etcd_max_txn_ops`` (0 there
 means :data:`DEFAULT_ETCD_MAX_TXN_OPS`, etcd's own default) must match etcd's flag. The scheduler
 rejects gangs that could outgrow it and the applier checks every plan against it (see
@@ -40,9 +45,9 @@ from typing import Any
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator.apply import Applier, ApplyReport
 from gpupool_sdk.coordinator.election import Election, ElectionTiming
-from gpupool_sdk.coordinator.fencing import FencedWriter, PutOp
+from gpupool_sdk.coordinator.fencing import DeleteOp, FencedWriter, PutOp, Unchanged
 from gpupool_sdk.coordinator.snapshot import DecodeCache, PoolState, build_state
-from gpupool_sdk.errors import GpupoolError, NotLeaderError, SpecError, StoreError
+from gpupool_sdk.errors import ConfigError, GpupoolError, NotLeaderError, SpecError, StoreError
 from gpupool_sdk.resources import Allocation
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.scheduler.types import SchedulerConfig
@@ -103,6 +108,7 @@ class CoordinatorStats:
     fenced_out: int = 0
     too_large: int = 0  # plans over etcd's --max-txn-ops (their grants became rejections)
     terms_won: int = 0
+    orphans_deleted: int = 0  # orphaned keys garbage-collected after the grace
     last_cycle_s: float = 0.0
     last_error: str = ""
 
@@ -122,9 +128,13 @@ class Coordinator:
         prices: price table for usage accounting (default catalog prices).
         usage_flush_s: how often running jobs' ``usage/{job}`` records are written.
         on_cycle: called after every cycle with its report (metrics, tests).
+        orphan_grace_s: how long an orphaned key (see :mod:`~gpupool_sdk.coordinator.snapshot`)
+            must be seen unchanged before the leader deletes it (default ``2 * timing.ttl_s``:
+            a key on an expiring lease normally vanishes on its own first).
 
     Raises:
-        ConfigError: the timing relation does not hold; the message names the setting.
+        ConfigError: the timing relation does not hold, or ``orphan_grace_s`` is negative; the
+            message names the setting.
 
     Example:
         >>> store = EtcdStore("127.0.0.1:2379")                                   # doctest: +SKIP
@@ -143,7 +153,14 @@ class Coordinator:
         prices: PriceTable | None = None,
         usage_flush_s: float = DEFAULT_USAGE_FLUSH_S,
         on_cycle: Callable[[CycleReport], None] | None = None,
+        orphan_grace_s: float | None = None,
     ) -> None:
+        grace = 2 * timing.ttl_s if orphan_grace_s is None else orphan_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
+            raise ConfigError("orphan_grace_s", f"must be a finite number of seconds >= 0, got {orphan_grace_s!r}")
+        self.orphan_grace_s = float(grace)
+        # Orphaned keys by (key, mod revision) -> monotonic time this replica first saw them.
+        self._orphans_seen: dict[tuple[str, int], float] = {}
         self.store = store
         self.keys = store.keys
         if config.etcd_max_txn_ops == 0:
@@ -336,8 +353,9 @@ class Coordinator:
             decisions: Sequence[st.Decision] = getattr(result, "decisions", result)
             report: ApplyReport = self.applier.apply(decisions, state)
             self._last_state = state
-            # After the writes, so accounting never delays a grant.
+            # After the writes, so accounting and garbage collection never delay a grant.
             self._account(state)
+            self._collect_orphans(state)
             self.stats.too_large += report.too_large
             for kind, n in report.applied.items():
                 self.stats.applied[kind] = self.stats.applied.get(kind, 0) + n
@@ -362,6 +380,25 @@ class Coordinator:
             if self.on_cycle is not None:
                 self.on_cycle(cycle)
             return cycle
+
+    # ------------------------------------------------------------------ orphans
+
+    def _collect_orphans(self, state: PoolState) -> None:
+        """Delete orphaned keys seen unchanged for ``orphan_grace_s`` (fenced; a lost guard is routine)."""
+        now_m = time.monotonic()
+        current = {(o.key, o.mod_revision): o for o in state.orphans}
+        for k in [k for k in self._orphans_seen if k not in current]:
+            del self._orphans_seen[k]
+        for k, o in sorted(current.items()):
+            first = self._orphans_seen.setdefault(k, now_m)
+            if now_m - first < self.orphan_grace_s:
+                continue
+            if self.writer.write([DeleteOp(o.key)], [Unchanged(o.key, o.mod_revision)]):
+                self.stats.orphans_deleted += 1
+                log.warning("deleted orphan %s (%s) after %.0fs", o.key, o.reason, now_m - first)
+            elif not self.writer.check():
+                return  # no longer the leader
+            self._orphans_seen.pop(k, None)
 
     # ------------------------------------------------------------------ usage
 

@@ -51,7 +51,15 @@ class Absent:
     key: str
 
 
-Guard = SameIncarnation | Absent
+@dataclass(frozen=True)
+class Unchanged:
+    """Guard: ``key`` exists and was not written since ``mod_revision`` (garbage collection)."""
+
+    key: str
+    mod_revision: int
+
+
+Guard = SameIncarnation | Absent | Unchanged
 Op = PutOp | DeleteOp
 
 
@@ -83,6 +91,8 @@ def fence_compares(fence: Fence) -> list[Compare]:
 def _guard(g: Guard) -> Compare:
     if isinstance(g, SameIncarnation):
         return Compare(g.key, "create", "==", g.create_revision)
+    if isinstance(g, Unchanged):
+        return Compare(g.key, "mod", "==", g.mod_revision)
     return Compare(g.key, "create", "==", 0)
 
 
