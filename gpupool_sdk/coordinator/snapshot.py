@@ -156,6 +156,19 @@ def _peak_from_telemetry(body: Mapping[str, Any] | None) -> int | None:
     return None
 
 
+def _remaining_from_telemetry(body: Mapping[str, Any] | None) -> float | None:
+    # ``remaining_s`` of the job's TelemetrySummary (seconds of training left, published by a job
+    # that knows its length); absent, null or malformed reads as unknown (LAS ranks the job).
+    if not body:
+        return None
+    for holder in (body, body.get("summary")):
+        if isinstance(holder, Mapping):
+            v = holder.get("remaining_s")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf:
+                return float(v)
+    return None
+
+
 class DecodeCache:
     """Parsed values by key, reused while the key's mod revision is unchanged.
 
@@ -438,6 +451,7 @@ def build_state(
             ack=ack,
             memory_peak_bytes=_peak_from_telemetry(telemetry.get(name)),
             order=kv.create_revision,
+            remaining_s=_remaining_from_telemetry(telemetry.get(name)),
         )
         metas[name] = JobMeta(
             name=name,

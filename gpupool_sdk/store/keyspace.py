@@ -8,6 +8,7 @@ Layout under the prefix (default ``/gpupool/v1``)::
     drains/{node}                         operator (gpupool drain), no lease
     jobs/{job}/spec                       client, on the job's lease
     jobs/{job}/status                     leader, on the job's lease
+    jobs/{job}/members/{node}             gang member on that node (PoolClient.join), on the member's own lease
     allocations/{node}/{gpu_uuid}/{job}   leader, on the job's lease
     directives/{job}                      leader, on the job's lease
     acks/{job}                            client, on the job's lease
@@ -16,6 +17,9 @@ Layout under the prefix (default ``/gpupool/v1``)::
     term                                  leader, no lease (the last term handed out; terms only grow)
     checkpoints/{job}                     leader, no lease (survives the job, for resume)
     usage/{job}                           leader, no lease (cost accounting)
+    timeslice/{node}/{gpu_uuid}/turn      time-slicing keeper of the holding job, on its own lease
+    timeslice/{node}/{gpu_uuid}/members/{job}  time-slicing keeper of each gated job, on its own lease
+    autoscale                             leader, no lease (desired node count per GPU type)
 """
 
 from __future__ import annotations
@@ -112,6 +116,12 @@ class Keyspace:
     def jobs_prefix(self) -> str:
         return self._k("jobs", "")
 
+    def job_member(self, job: str, node: str) -> str:
+        return self._k("jobs", _seg(job, "job"), "members", _seg(node, "node"))
+
+    def job_members_prefix(self, job: str) -> str:
+        return self._k("jobs", _seg(job, "job"), "members", "")
+
     def allocation(self, node: str, gpu_uuid: str, job: str) -> str:
         return self._k("allocations", _seg(node, "node"), _seg(gpu_uuid, "gpu_uuid"), _seg(job, "job"))
 
@@ -148,6 +158,23 @@ class Keyspace:
     def usage_prefix(self) -> str:
         return self._k("usage", "")
 
+    # Step-level time-slicing (client/timeslice_keeper.py).
+    def timeslice_prefix(self, node: str, gpu_uuid: str) -> str:
+        return self._k("timeslice", _seg(node, "node"), _seg(gpu_uuid, "gpu_uuid"), "")
+
+    def timeslice_turn(self, node: str, gpu_uuid: str) -> str:
+        return self._k("timeslice", _seg(node, "node"), _seg(gpu_uuid, "gpu_uuid"), "turn")
+
+    def timeslice_member(self, node: str, gpu_uuid: str, job: str) -> str:
+        return self._k("timeslice", _seg(node, "node"), _seg(gpu_uuid, "gpu_uuid"), "members", _seg(job, "job"))
+
+    def timeslice_all_prefix(self) -> str:
+        return self._k("timeslice", "")
+
+    # Autoscale signal (scheduler/autoscale.py, written by the leader).
+    def autoscale(self) -> str:
+        return self._k("autoscale")
+
     # Coordinator.
     def leader(self) -> str:
         return self._k("leader")
@@ -173,8 +200,14 @@ class Keyspace:
             "checkpoints": 1,
             "usage": 1,
         }
-        if head in ("leader", "term") and not rest:
+        if head in ("leader", "term", "autoscale") and not rest:
             return ParsedKey(head, ())
+        if head == "timeslice" and len(rest) == 3 and rest[2] == "turn" and all(rest):
+            return ParsedKey("timeslice.turn", rest[:2])
+        if head == "timeslice" and len(rest) == 4 and rest[2] == "members" and all(rest):
+            return ParsedKey("timeslice.member", (rest[0], rest[1], rest[3]))
+        if head == "jobs" and len(rest) == 3 and rest[1] == "members" and rest[0] and rest[2]:
+            return ParsedKey("jobs.member", (rest[0], rest[2]))
         if head == "jobs" and len(rest) == 2 and rest[1] in ("spec", "status"):
             return ParsedKey(f"jobs.{rest[1]}", (rest[0],))
         if head in shapes and len(rest) == shapes[head] and all(rest):
