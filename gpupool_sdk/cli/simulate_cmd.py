@@ -28,22 +28,38 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--checkpoint-s", default=10.0, show_default=True, help="Preempt directive to ack (checkpoint write).")
 @click.option("--restart-s", default=20.0, show_default=True, help="Extra work after a preemption (restart).")
 @click.option("--failure-mtbf-h", default=None, type=float, help="Per-GPU mean time between failures (hours).")
-@click.option("--overcommit", default=1.5, show_default=True, help="gpupool: shared-class memory overcommit ratio.")
+@click.option("--config", "config_path", default=None, metavar="FILE.toml",
+              help="gpupool: the policy file `gpupool coordinator --config` reads (default: the built-in defaults, "
+                   "docs/scheduler.md 'Policy file'); the flags below override single fields.")
+@click.option("--set", "assignments", multiple=True, metavar="FIELD=VALUE",
+              help="gpupool: set one scheduler field, TOML value (use_remaining=false, min_runtime_s=600); repeatable.")
+@click.option("--overcommit", default=None, type=float, help="gpupool: shared-class memory overcommit ratio (default 1.5).")
 @click.option("--untagged-qos", default="guaranteed", show_default=True,
               type=click.Choice(["guaranteed", "shared", "exclusive"]), help="gpupool: QoS of rows without a class.")
 @click.option("--class-priority", default="", metavar="CLASS=INT[,...]",
               help="gpupool: queue priority per trace class, e.g. 'Guaranteed=20,LS=10,Burstable=5,BE=0' "
                    "(default: every class priority 0; the class then only chooses the QoS).")
-@click.option("--las", "las", default="", metavar="GPU_S[,GPU_S...]",
-              help="gpupool: least-attained-service queue thresholds (GPU-seconds); empty = off.")
+@click.option("--las", "las", default=None, metavar="GPU_S[,GPU_S...]",
+              help="gpupool: least-attained-service queue thresholds (GPU-seconds; default 3600,36000); '' = off.")
 @click.option("--las-promote-factor", default=None, type=float, metavar="F",
-              help="gpupool, with --las: a job that waited F x its run so far counts as queue 0 again "
-                   "(starvation promotion; default 0 = off).")
+              help="gpupool, with LAS: a job that waited F x its run so far counts as queue 0 again "
+                   "(starvation promotion; 0 = off).")
 @click.option("--las-no-preempt", is_flag=True, default=False,
-              help="gpupool, with --las: LAS only orders pending jobs and never preempts for them.")
-@click.option("--min-runtime-s", default=0.0, show_default=True, help="gpupool: minimum run time before preemption.")
-@click.option("--aging-s", default=0.0, show_default=True,
-              help="gpupool: seconds of waiting per priority point (0 = no aging; use with --min-runtime-s).")
+              help="gpupool, with LAS: LAS only orders pending jobs and never preempts for them.")
+@click.option("--min-runtime-s", default=None, type=float, help="gpupool: minimum run time before preemption (default 0).")
+@click.option("--aging-s", default=None, type=float,
+              help="gpupool: seconds of waiting per priority point (default 0 = no aging; use with --min-runtime-s).")
+@click.option("--estimate-after-s", default=300.0, show_default=True, type=float, metavar="S",
+              help="Workload model: a job reports its remaining time once it has run this long in all.")
+@click.option("--undeclared", default=0.25, show_default=True, type=float, metavar="FRACTION",
+              help="Workload model: fraction of jobs that declare no length (never report remaining time).")
+@click.option("--early-stop", default="0.2,0.3", show_default=True, metavar="FRACTION[,MIN]",
+              help="Workload model: FRACTION of declaring jobs stop early, at a uniform draw in [MIN, 1) of their "
+                   "declared length (their estimate is too long).")
+@click.option("--estimate-sigma", default=0.2, show_default=True, type=float, metavar="SIGMA",
+              help="Workload model: per-job lognormal error of the measured step time.")
+@click.option("--no-estimates", is_flag=True, default=False,
+              help="Workload model: no job reports its remaining time (a pool without progress telemetry).")
 @click.option("--elastic", "elastic", default="", metavar="MIN_FRACTION[,MAX_FACTOR]",
               help="gpupool only: every job asking n GPUs (without its own min_gpu=/max_gpu= in extra) may run "
                    "on ceil(n*MIN_FRACTION) to floor(n*MAX_FACTOR) GPUs, e.g. 0.5,2; baselines keep n.")
@@ -73,14 +89,21 @@ def simulate(
     checkpoint_s: float,
     restart_s: float,
     failure_mtbf_h: float | None,
-    overcommit: float,
+    config_path: str | None,
+    assignments: tuple[str, ...],
+    overcommit: float | None,
     untagged_qos: str,
     class_priority: str,
-    las: str,
+    las: str | None,
     las_promote_factor: float | None,
     las_no_preempt: bool,
-    min_runtime_s: float,
-    aging_s: float,
+    min_runtime_s: float | None,
+    aging_s: float | None,
+    estimate_after_s: float,
+    undeclared: float,
+    early_stop: str,
+    estimate_sigma: float,
+    no_estimates: bool,
     elastic: str,
     elastic_sigma: float,
     max_pending: int | None,
@@ -90,16 +113,20 @@ def simulate(
 ) -> None:
     """Simulate a trace on a cluster under several policies and compare them to FIFO.
 
+    ``gpupool`` runs the pool's policy configuration (the defaults, or --config FILE, then the
+    flags); the configuration is printed with the results.
+
     Example: gpupool simulate --trace tiresias_60job.csv --cluster "2*8xV100-32GB" --policy fifo --policy gpupool
     """
     import math
-    from dataclasses import replace
+    from dataclasses import asdict
 
     from gpupool_sdk.errors import ConfigError
+    from gpupool_sdk.scheduler.config import load_policy_config, parse_assignment
     from gpupool_sdk.sim.engine import SimConfig
+    from gpupool_sdk.sim.estimates import EstimateModel
     from gpupool_sdk.sim.pool_policy import PoolMapping, parse_class_priority, parse_elastic
     from gpupool_sdk.sim.runner import (
-        DEFAULT_POOL_CONFIG,
         GandivaSettings,
         render_table,
         run_simulation,
@@ -107,17 +134,51 @@ def simulate(
     )
     from gpupool_sdk.sim.trace import load_trace
 
+    overrides: dict[str, object] = {}
+    flags: dict[str, str] = {}
+    for text in assignments:
+        key, value = parse_assignment(text)
+        overrides[key] = value
+        flags[key] = f"--set {key}"
+    if las is not None:
+        try:
+            overrides["las_threshold_gpu_s"] = tuple(float(x) for x in las.split(",") if x.strip())
+        except ValueError:
+            raise ConfigError("--las", f"{las!r} is not a comma-separated list of GPU-seconds, e.g. 3600,36000") from None
+        flags["las_threshold_gpu_s"] = "--las"
+    for key, flag, value in (
+        ("overcommit_ratio", "--overcommit", overcommit),
+        ("las_promote_after_factor", "--las-promote-factor", las_promote_factor),
+        ("min_runtime_s", "--min-runtime-s", min_runtime_s),
+        ("aging_s_per_priority", "--aging-s", aging_s),
+        ("las_preempt", "--las-no-preempt", False if las_no_preempt else None),
+    ):
+        if value is not None:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(flag, f"must be a finite number, got {value}")
+            overrides[key] = value
+            flags[key] = flag
+    policy = load_policy_config(config_path, overrides, flags)
+    if not policy.scheduler.las_threshold_gpu_s:
+        for key, flag in (("las_promote_after_factor", "--las-promote-factor"), ("las_preempt", "--las-no-preempt")):
+            if key in overrides:
+                raise ConfigError(flag, "acts within LAS queues, which this configuration turns off; give --las GPU_S[,GPU_S...]")
     try:
-        thresholds = tuple(float(x) for x in las.split(",") if x.strip())
+        stop = [float(x) for x in early_stop.split(",")]
+        if not 1 <= len(stop) <= 2:
+            raise ValueError(early_stop)
     except ValueError:
-        raise ConfigError("--las", f"{las!r} is not a comma-separated list of GPU-seconds, e.g. 3600,36000") from None
-    if las_promote_factor is not None:
-        if not (las_promote_factor >= 0 and math.isfinite(las_promote_factor)):
-            raise ConfigError("--las-promote-factor", f"must be a finite number >= 0 (0 = off), got {las_promote_factor}")
-        if not thresholds:
-            raise ConfigError("--las-promote-factor", "promotes within LAS queues; give --las GPU_S[,GPU_S...] too")
-    if las_no_preempt and not thresholds:
-        raise ConfigError("--las-no-preempt", "turns off LAS preemption; give --las GPU_S[,GPU_S...] too")
+        raise ConfigError("--early-stop", f"expected FRACTION[,MIN], e.g. 0.2,0.3, got {early_stop!r}") from None
+    try:
+        estimates = EstimateModel(
+            after_s=estimate_after_s, undeclared=undeclared, early_stop=stop[0],
+            early_stop_min=stop[1] if len(stop) == 2 else EstimateModel.early_stop_min, sigma=estimate_sigma,
+            enabled=not no_estimates,
+        )
+    except ConfigError as exc:
+        flag = {"after_s": "--estimate-after-s", "undeclared": "--undeclared", "early_stop": "--early-stop",
+                "early_stop_min": "--early-stop", "sigma": "--estimate-sigma"}[exc.field]
+        raise ConfigError(flag, str(exc).split(": ", 1)[1]) from None
     try:
         class_prio = parse_class_priority(class_priority)
     except ConfigError as exc:
@@ -144,27 +205,31 @@ def simulate(
         if exc.field != "elastic_sigma":
             raise
         raise ConfigError("--elastic-sigma", str(exc).split(": ", 1)[1]) from None
-    pool_config = replace(
-        DEFAULT_POOL_CONFIG, overcommit_ratio=overcommit, las_threshold_gpu_s=thresholds, min_runtime_s=min_runtime_s,
-        aging_s_per_priority=aging_s, las_preempt=not las_no_preempt,
-        las_promote_after_factor=las_promote_factor or 0.0,
-    )
+    pool_config = policy.scheduler
     mapping = PoolMapping(
         untagged_qos=untagged_qos, class_priority=class_prio, preempt_grace_s=max(60.0, 2 * checkpoint_s),
         elastic=elastic_bounds,
     )
     report = run_simulation(
         trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed,
-        max_pending_in_snapshot=max_pending, gandiva=gandiva,
+        max_pending_in_snapshot=max_pending, gandiva=gandiva, estimates=estimates,
     )
     if plot_path:
         write_plot(report, plot_path)
     if output == "json":
-        echo_json(report.to_json())
+        echo_json({**report.to_json(), "config": policy.to_dict(), "estimates": asdict(estimates)})
         return
     from rich.console import Console
 
     console = Console()
+    if "gpupool" in policies:
+        click.echo(policy.describe())
+        e = estimates
+        click.echo(
+            "# workload model: " + ("no job reports its remaining time" if not e.enabled else
+            f"remaining time reported after {e.after_s:g} s of run, {e.undeclared:.0%} of jobs declare nothing, "
+            f"{e.early_stop:.0%} stop early at [{e.early_stop_min:g}, 1) of their length, step-time error sigma {e.sigma:g}")
+        )
     console.print(render_table(report))
     stats = report.trace_stats
     console.print(

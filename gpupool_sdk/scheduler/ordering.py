@@ -9,6 +9,12 @@ Pending jobs are considered in this order:
    level is the integer part of the effective priority and, within a level, jobs in a lower
    attained-service queue go first (:func:`las_rank`: the queue of ``attained_gpu_s``, or 0
    for a job promoted after waiting ``las_promote_after_factor`` times its run so far);
+   **progress-aware** (``use_remaining``, on by default): a job that reports how long it has left
+   (``JobView.remaining_s``, from its telemetry) is ranked by its *remaining* service instead of
+   the service it attained (:func:`service_gpu_s`), and inside one queue jobs that know their
+   remaining service go shortest first, ahead of jobs that do not (ranked as if they needed the
+   queue's upper bound): shortest-remaining-first for jobs that know their length,
+   least-attained-service for jobs that do not (:func:`within_queue`);
 4. FIFO by ``JobView.order``, then by name.
 """
 
@@ -65,11 +71,55 @@ def is_starved(view: JobView, now: float, config: SchedulerConfig) -> bool:
     return config.max_wait_s > 0 and waited_s(view, now) >= config.max_wait_s
 
 
+def remaining_gpu_s(view: JobView) -> float | None:
+    """The job's estimate of the service it still needs, GPU-seconds: ``remaining_s`` times the
+    compute it holds (or asks for); None when it reported no estimate.
+
+    Example:
+        >>> from gpupool_sdk.resources import JobSpec
+        >>> remaining_gpu_s(JobView(spec=JobSpec(name="a", gpus=4, memory="4GiB"), remaining_s=100.0))
+        400.0
+    """
+    if view.remaining_s is None:
+        return None
+    if view.allocations:
+        compute = sum(a.compute_share for a in view.allocations)
+    else:
+        compute = view.spec.gpus * view.spec.compute_share
+    return max(0.0, view.remaining_s) * compute
+
+
+def service_gpu_s(view: JobView, config: SchedulerConfig) -> float:
+    """What LAS ranks ``view`` by: its remaining service (:func:`remaining_gpu_s`) when it reports
+    one and ``use_remaining`` is on, else the service it attained (``attained_gpu_s``)."""
+    if config.use_remaining:
+        rem = remaining_gpu_s(view)
+        if rem is not None:
+            return rem
+    return view.attained_gpu_s
+
+
 def las_queue(view: JobView, config: SchedulerConfig) -> int:
-    """Index of the least-attained-service queue of ``view`` (0 when LAS is off)."""
+    """Index of the least-attained-service queue of ``view`` (0 when LAS is off).
+
+    The queue of :func:`service_gpu_s`: of the remaining service for a job that reports it
+    (``use_remaining``), else of the attained service.
+    """
     if not config.las_threshold_gpu_s:
         return 0
-    return bisect.bisect_right(config.las_threshold_gpu_s, view.attained_gpu_s)
+    return bisect.bisect_right(config.las_threshold_gpu_s, service_gpu_s(view, config))
+
+
+def within_queue(view: JobView, queue: int, config: SchedulerConfig) -> float:
+    """Order inside one LAS queue (smaller first): the remaining service of a job that reports it
+    (``use_remaining``), else the queue's upper threshold (infinity for the last queue), so jobs
+    that know they are short go first and the others keep FIFO among themselves."""
+    if config.use_remaining:
+        rem = remaining_gpu_s(view)
+        if rem is not None:
+            return rem
+    thresholds = config.las_threshold_gpu_s
+    return thresholds[queue] if queue < len(thresholds) else math.inf
 
 
 def las_rank(view: JobView, now: float, config: SchedulerConfig) -> int:
@@ -92,7 +142,7 @@ def las_level(priority: float) -> int:
     return math.floor(priority)
 
 
-def sort_key(view: JobView, now: float, config: SchedulerConfig) -> tuple[float, float, int, float, int, str]:
+def sort_key(view: JobView, now: float, config: SchedulerConfig) -> tuple[float, float, int, float, float, int, str]:
     """The key :func:`order_pending` sorts by (smaller goes first)."""
     waited = waited_s(view, now)
     starved = is_starved(view, now, config)
@@ -100,8 +150,20 @@ def sort_key(view: JobView, now: float, config: SchedulerConfig) -> tuple[float,
     if config.las_threshold_gpu_s:
         level = float(las_level(prio))
         rank = las_rank(view, now, config)
-        return (0.0 if starved else 1.0, -waited if starved else -level, rank, -prio, view.order, view.name)
-    return (0.0 if starved else 1.0, -waited if starved else -prio, 0, 0.0, view.order, view.name)
+        inner = within_queue(view, rank, config)
+        return (0.0 if starved else 1.0, -waited if starved else -level, rank, -prio, inner, view.order, view.name)
+    return (0.0 if starved else 1.0, -waited if starved else -prio, 0, 0.0, 0.0, view.order, view.name)
+
+
+def static_key(view: JobView, config: SchedulerConfig) -> tuple[int, int, float, int]:
+    """The pending order as a key that does not depend on time, for a pending job (its attained
+    and remaining service do not change while it waits): valid only when aging, ``max_wait_s``
+    and LAS promotion are off, where it sorts like :func:`sort_key` up to the name.
+
+    The simulator keeps its queue sorted by it (``PoolPolicy``)."""
+    queue = las_queue(view, config)
+    inner = within_queue(view, queue, config) if config.las_threshold_gpu_s else 0.0
+    return (-view.spec.priority, queue, inner, view.order)
 
 
 def order_pending(views: Iterable[JobView], now: float, config: SchedulerConfig) -> list[JobView]:

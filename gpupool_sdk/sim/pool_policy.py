@@ -49,10 +49,11 @@ from gpupool_sdk.resources import (
     JobState,
     QoS,
 )
-from gpupool_sdk.scheduler.ordering import las_queue, order_pending
+from gpupool_sdk.scheduler.ordering import order_pending, static_key
 from gpupool_sdk.scheduler.policy import Scheduler
 from gpupool_sdk.scheduler.types import ClusterSnapshot, Decision, JobView, SchedulerConfig
 from gpupool_sdk.sim.engine import DONE, PENDING, PREEMPTING, REJECTED, RUNNING, SimJob, Simulator
+from gpupool_sdk.sim.estimates import EstimateModel, JobEstimates
 from gpupool_sdk.sim.trace import TraceJob
 
 #: trace QoS class (lower-cased) -> the pool's QoS class.
@@ -199,6 +200,8 @@ class PoolPolicy:
             jobs in the scheduler's own order (priority, LAS queue, FIFO) into each snapshot, plus
             every granted job. None (default) shows every pending job, as the coordinator does.
             Jobs further back could only have backfilled; ``docs/simulation.md`` measures the effect.
+        estimates: how jobs report their remaining time (``JobView.remaining_s``; see
+            :mod:`gpupool_sdk.sim.estimates`); default :class:`EstimateModel` (None there: the default).
 
     Example:
         >>> PoolPolicy(SchedulerConfig(overcommit_ratio=1.5)).name
@@ -213,6 +216,7 @@ class PoolPolicy:
         config: SchedulerConfig | None = None,
         mapping: PoolMapping | None = None,
         max_pending_in_snapshot: int | None = None,
+        estimates: EstimateModel | None = None,
     ) -> None:
         if max_pending_in_snapshot is not None and max_pending_in_snapshot < 1:
             raise ConfigError("max_pending_in_snapshot", f"must be >= 1 or None, got {max_pending_in_snapshot}")
@@ -227,8 +231,10 @@ class PoolPolicy:
             and self.config.max_wait_s == 0
             and self.config.las_promote_after_factor == 0
         )
-        self._pkey: dict[str, tuple[int, int, int]] = {}
-        self._psorted: list[tuple[int, int, int]] = []
+        self._pkey: dict[str, tuple[int, int, float, int]] = {}
+        self._psorted: list[tuple[int, int, float, int]] = []
+        self.estimates = estimates or EstimateModel()
+        self._estimates = JobEstimates(self.estimates)
         self._granted_views: dict[str, JobView] = {}
         self.mapping = mapping or PoolMapping()
         self.scheduler = Scheduler(self.config)
@@ -285,6 +291,7 @@ class PoolPolicy:
     def bind(self, sim: Simulator) -> None:
         self.sim = sim
         self._gpus = {g.uuid: g for g in sim.gpus}
+        self._estimates = JobEstimates(self.estimates, sim.config.seed)
         sim.listeners.append(self._on_change)
 
     def on_health_change(self, sim: Simulator, g: int) -> None:
@@ -314,7 +321,7 @@ class PoolPolicy:
         self._built_at[job.name] = self.sim.now
         if job.state == PENDING:
             self._granted_views.pop(job.name, None)
-            key = (-view.spec.priority, las_queue(view, self.config), job.index)
+            key = static_key(view, self.config)
             self._pkey[job.name] = key
             bisect.insort(self._psorted, key)
         else:
@@ -334,6 +341,7 @@ class PoolPolicy:
             return JobView(
                 spec=spec, state=JobState.PENDING, queued_at=job.submit, attained_gpu_s=job.attained_gpu_s,
                 memory_peak_bytes=job.demand if job.peak_known else None, order=job.index,
+                remaining_s=self._estimates.remaining_s(job, now),
             )
         attained = job.attained_gpu_s + (now - job.last) * sum(job.shares) if job.state == RUNNING else job.attained_gpu_s
         allocs = tuple(
@@ -371,6 +379,7 @@ class PoolPolicy:
             ack=ack,
             memory_peak_bytes=job.demand,
             order=job.index,
+            remaining_s=self._estimates.remaining_s(job, now),
         )
 
     # ------------------------------------------------------------------ the cycle
@@ -393,7 +402,7 @@ class PoolPolicy:
         jobs: Mapping[str, JobView] = self._views
         if self.max_pending is not None and len(sim.pending) > self.max_pending:
             if self._static_order:
-                head = [sim.jobs[idx].name for _, _, idx in self._psorted[: self.max_pending]]
+                head = [sim.jobs[idx].name for *_, idx in self._psorted[: self.max_pending]]
             else:
                 pend = [self._views[n] for n in sim.pending]
                 head = [v.name for v in order_pending(pend, now, self.config)[: self.max_pending]]

@@ -9,9 +9,11 @@ from typing import Any
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
+from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.scheduler.types import SchedulerConfig
 from gpupool_sdk.sim.baselines import BestFitPolicy, FifoPolicy, GandivaPolicy, TiresiasPolicy
 from gpupool_sdk.sim.engine import DONE, SimConfig, SimPolicy, SimResult, Simulator
+from gpupool_sdk.sim.estimates import EstimateModel
 from gpupool_sdk.sim.metrics import compute_metrics
 from gpupool_sdk.sim.pool_policy import PoolMapping, PoolPolicy
 from gpupool_sdk.sim.trace import Trace
@@ -19,10 +21,10 @@ from gpupool_sdk.sim.workload import WorkloadModel
 
 POLICY_NAMES: tuple[str, ...] = ("fifo", "tiresias", "gpupool", "bestfit", "gandiva")
 
-#: The scheduler knobs the simulator runs ``gpupool`` with unless told otherwise. Aging is off:
-#: with aging, a job that waited gains priority over running jobs of its own class and preempts
-#: them, and with no minimum run time that thrashes (see docs/simulation.md).
-DEFAULT_POOL_CONFIG = SchedulerConfig(overcommit_ratio=1.5, aging_s_per_priority=0.0, max_wait_s=0.0)
+#: The scheduler settings the simulator runs ``gpupool`` with unless told otherwise: the pool's
+#: default policy, the same one ``gpupool coordinator`` runs
+#: (:data:`gpupool_sdk.scheduler.config.DEFAULT_SCHEDULER`).
+DEFAULT_POOL_CONFIG = DEFAULT_SCHEDULER
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ def make_policy(
     tiresias_thresholds: Sequence[float] = (3600.0,),
     max_pending_in_snapshot: int | None = None,
     gandiva: GandivaSettings | None = None,
+    estimates: EstimateModel | None = None,
 ) -> SimPolicy:
     """A fresh policy by name (``fifo``, ``tiresias``, ``gpupool``, ``bestfit``, ``gandiva``).
 
@@ -64,7 +67,7 @@ def make_policy(
     if name == "tiresias":
         return TiresiasPolicy(thresholds_gpu_s=tiresias_thresholds)
     if name == "gpupool":
-        return PoolPolicy(pool_config or DEFAULT_POOL_CONFIG, mapping, max_pending_in_snapshot)
+        return PoolPolicy(pool_config or DEFAULT_POOL_CONFIG, mapping, max_pending_in_snapshot, estimates)
     if name == "bestfit":
         return BestFitPolicy()
     if name == "gandiva":
@@ -108,6 +111,7 @@ def run_simulation(
     seed: int = 0,
     max_pending_in_snapshot: int | None = None,
     gandiva: GandivaSettings | None = None,
+    estimates: EstimateModel | None = None,
 ) -> SimReport:
     """Simulate ``trace`` on ``cluster`` once per policy (same jobs, same workload draws).
 
@@ -122,6 +126,7 @@ def run_simulation(
         seed: seeds profile draws and failures.
         max_pending_in_snapshot: ``gpupool`` speed knob (see :class:`~gpupool_sdk.sim.pool_policy.PoolPolicy`).
         gandiva: the ``gandiva`` policy's knobs (default :class:`GandivaSettings`).
+        estimates: how ``gpupool``'s jobs report their remaining time (default :class:`EstimateModel`).
 
     Example:
         >>> report = run_simulation(load_trace("tiresias_60job.csv"), "2*8xV100-32GB", ["fifo", "gpupool"])  # doctest: +SKIP
@@ -141,7 +146,8 @@ def run_simulation(
         if name in report.results:
             continue
         policy = make_policy(
-            name, pool_config, mapping, max_pending_in_snapshot=max_pending_in_snapshot, gandiva=gandiva
+            name, pool_config, mapping, max_pending_in_snapshot=max_pending_in_snapshot, gandiva=gandiva,
+            estimates=estimates,
         )
         t0 = time.process_time()
         result = Simulator(trace.jobs, gpus, policy, wl, cfg).run()

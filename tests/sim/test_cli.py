@@ -113,8 +113,13 @@ def test_gandiva_runs_with_fifo_and_takes_its_knobs(tmp_path: Path) -> None:
         (["--gandiva-resume-s", "inf"], "--gandiva-resume-s"),
         (["--las", "100", "--las-promote-factor", "-1"], "--las-promote-factor"),
         (["--las", "100", "--las-promote-factor", "nan"], "--las-promote-factor"),
-        (["--las-promote-factor", "2"], "--las-promote-factor"),
-        (["--las-no-preempt"], "--las-no-preempt"),
+        (["--las", "", "--las-promote-factor", "2"], "--las-promote-factor"),  # LAS turned off
+        (["--las", "", "--las-no-preempt"], "--las-no-preempt"),
+        (["--set", "overcommit=2"], "--set overcommit"),  # unknown field (did you mean overcommit_ratio?)
+        (["--set", "use_remaining=1"], "--set use_remaining"),  # not a boolean
+        (["--overcommit", "0.5"], "--overcommit"),
+        (["--undeclared", "1.5"], "--undeclared"),
+        (["--early-stop", "x"], "--early-stop"),
         (["--class-priority", "LS=high"], "--class-priority"),
     ],
 )
