@@ -11,6 +11,7 @@ import logging
 import math
 import signal
 import sys
+from dataclasses import replace
 from types import FrameType
 
 import click
@@ -20,7 +21,8 @@ from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator
 from gpupool_sdk.coordinator.coordinator import DEFAULT_ETCD_MAX_TXN_OPS
 from gpupool_sdk.errors import ConfigError, StoreUnavailableError
-from gpupool_sdk.scheduler.types import MIN_ETCD_MAX_TXN_OPS, SchedulerConfig
+from gpupool_sdk.scheduler.config import load_policy_config, parse_assignment
+from gpupool_sdk.scheduler.types import MIN_ETCD_MAX_TXN_OPS
 from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
@@ -42,19 +44,24 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
               help="Seconds between time-driven cycles and renewals (changes wake it at once).")
 @click.option("--retry-timeout", type=float, default=None,
               help="Seconds one etcd renewal may retry (default: min(10, (ttl - loop_wait) / 2)).")
-@click.option("--overcommit-ratio", type=float, default=1.0, show_default=True,
-              help="For shared slices: granted memory may reach this multiple of a GPU's memory.")
-@click.option("--min-runtime", type=float, default=0.0, show_default=True,
-              help="Seconds after a grant before a job may be preempted.")
-@click.option("--aging", type=float, default=60.0, show_default=True,
-              help="A pending job gains one priority point per this many seconds waited (0 = off).")
-@click.option("--preempt-grace", type=float, default=60.0, show_default=True,
-              help="Default seconds a job gets to checkpoint and ack a preemption.")
+@click.option("--config", "config_path", default=None, metavar="FILE.toml",
+              help="Policy file ([scheduler] settings, [prices]; docs/scheduler.md 'Policy file'), the same one "
+                   "`gpupool simulate --config` reads. Default: the built-in defaults. Flags below override it.")
+@click.option("--set", "assignments", multiple=True, metavar="FIELD=VALUE",
+              help="Set one scheduler field, TOML value (min_runtime_s=600, use_remaining=false); repeatable.")
+@click.option("--overcommit-ratio", type=float, default=None,
+              help="For shared slices: granted memory may reach this multiple of a GPU's memory (default 1.5).")
+@click.option("--min-runtime", type=float, default=None,
+              help="Seconds after a grant before a job may be preempted (default 0).")
+@click.option("--aging", type=float, default=None,
+              help="A pending job gains one priority point per this many seconds waited (default 0 = off).")
+@click.option("--preempt-grace", type=float, default=None,
+              help="Default seconds a job gets to checkpoint and ack a preemption (default 60).")
 @click.option("--no-preemption", is_flag=True, help="Never preempt: jobs only queue.")
-@click.option("--etcd-max-txn-ops", type=click.IntRange(MIN_ETCD_MAX_TXN_OPS, None), default=DEFAULT_ETCD_MAX_TXN_OPS,
-              show_default=True,
+@click.option("--etcd-max-txn-ops", type=click.IntRange(MIN_ETCD_MAX_TXN_OPS, None), default=None,
               help="Must match etcd's --max-txn-ops (`gpupool etcd` uses 1024). A gang's grant and release are one "
-                   "transaction each, with an operation per slice: jobs that would need more than this are rejected.")
+                   f"transaction each, with an operation per slice: jobs that would need more than this are rejected "
+                   f"(default: the policy file's etcd_max_txn_ops, else {DEFAULT_ETCD_MAX_TXN_OPS}, etcd's default).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics (pool and scheduler) on this port.")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True, envvar="GPUPOOL_METRICS_ADDR", show_envvar=True,
@@ -68,12 +75,14 @@ def coordinator(
     ttl: float,
     loop_wait: float,
     retry_timeout: float | None,
-    overcommit_ratio: float,
-    min_runtime: float,
-    aging: float,
-    preempt_grace: float,
+    config_path: str | None,
+    assignments: tuple[str, ...],
+    overcommit_ratio: float | None,
+    min_runtime: float | None,
+    aging: float | None,
+    preempt_grace: float | None,
     no_preemption: bool,
-    etcd_max_txn_ops: int,
+    etcd_max_txn_ops: int | None,
     metrics_port: int | None,
     metrics_addr: str,
     log_level: str,
@@ -83,22 +92,36 @@ def coordinator(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if retry_timeout is None:
         retry_timeout = default_retry_timeout(ttl, loop_wait)
+    overrides: dict[str, object] = {}
+    flags: dict[str, str] = {}
     try:
+        for text in assignments:
+            key, value = parse_assignment(text)
+            overrides[key], flags[key] = value, f"--set {key}"
+        for key, flag, value in (
+            ("overcommit_ratio", "--overcommit-ratio", overcommit_ratio),
+            ("min_runtime_s", "--min-runtime", min_runtime),
+            ("aging_s_per_priority", "--aging", aging),
+            ("preempt_grace_s", "--preempt-grace", preempt_grace),
+            ("allow_preemption", "--no-preemption", False if no_preemption else None),
+            ("etcd_max_txn_ops", "--etcd-max-txn-ops", etcd_max_txn_ops),
+        ):
+            if value is not None:
+                overrides[key], flags[key] = value, flag
         timing = LeaseTiming(ttl_s=ttl, keepalive_interval_s=min(loop_wait, max(0.1, ttl / 3)), retry_timeout_s=retry_timeout)
-        config = SchedulerConfig(
-            overcommit_ratio=overcommit_ratio,
-            min_runtime_s=min_runtime,
-            aging_s_per_priority=aging,
-            preempt_grace_s=preempt_grace,
-            allow_preemption=not no_preemption,
-            etcd_max_txn_ops=etcd_max_txn_ops,
-        )
+        # One policy for the coordinator and `gpupool simulate`: defaults, then --config, then flags.
+        policy = load_policy_config(config_path, overrides, flags)
+        config = policy.scheduler
+        if config.etcd_max_txn_ops == 0:
+            config = replace(config, etcd_max_txn_ops=DEFAULT_ETCD_MAX_TXN_OPS)  # etcd always has a limit
+        etcd_max_txn_ops = config.etcd_max_txn_ops
+        prices = policy.price_table()
     except ConfigError as exc:
-        flag = {"ttl_s": "--ttl", "retry_timeout_s": "--retry-timeout", "keepalive_interval_s": "--loop-wait",
-                "overcommit_ratio": "--overcommit-ratio", "min_runtime_s": "--min-runtime",
-                "aging_s_per_priority": "--aging", "preempt_grace_s": "--preempt-grace",
-                "etcd_max_txn_ops": "--etcd-max-txn-ops"}.get(exc.field, exc.field)
-        raise click.BadParameter(str(exc), param_hint=flag) from None
+        flag = {"ttl_s": "--ttl", "retry_timeout_s": "--retry-timeout", "keepalive_interval_s": "--loop-wait"}.get(
+            exc.field, exc.field
+        )
+        message = str(exc)[len(exc.field) + 2 :] if flag == exc.field else str(exc)
+        raise click.BadParameter(message, param_hint=flag) from None
     store = EtcdStore(
         resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=max(1.0, retry_timeout), security=security
     )
@@ -109,7 +132,7 @@ def coordinator(
         coord_metrics = CoordinatorMetrics()
     try:
         coord = Coordinator(
-            store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait,
+            store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait, prices=prices,
             on_cycle=coord_metrics.observe_cycle if coord_metrics is not None else None,
         )
     except ConfigError as exc:
@@ -144,6 +167,7 @@ def coordinator(
         f"etcd_max_txn_ops {etcd_max_txn_ops})",
         err=True,
     )
+    click.echo(policy.describe(), err=True)
     try:
         stats = coord.run()
     finally:
