@@ -1,5 +1,6 @@
 """Resource model: sizes, GPUs, job specs, allocations, directives and acks."""
 
+from gpupool_sdk.resources.gang import GangMember
 from gpupool_sdk.resources.gpu import GpuHealth, GpuInfo, NodeInfo
 from gpupool_sdk.resources.grant import Ack, Allocation, Directive, DirectiveKind, LeaderRecord
 from gpupool_sdk.resources.job import Checkpoint, JobSpec, JobState, JobStatus, QoS, Topology
@@ -11,6 +12,7 @@ __all__ = [
     "Checkpoint",
     "Directive",
     "DirectiveKind",
+    "GangMember",
     "GiB",
     "GpuHealth",
     "GpuInfo",

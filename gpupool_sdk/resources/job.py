@@ -14,6 +14,8 @@ from gpupool_sdk.resources._fields import check, keyword_checked, opt, req, stri
 from gpupool_sdk.resources.units import format_size, parse_size
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+#: node names as the keyspace accepts them (``store.keyspace``).
+_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 
 
 class QoS(str, enum.Enum):
@@ -101,6 +103,16 @@ class JobSpec:
         min_runtime_s: minimum run time after a grant before the job may be preempted.
         preempt_grace_s: how long the job gets to checkpoint and ack a preempt directive.
         owner: team or user charged for the usage.
+        node: the node whose GPUs the job must run on (a process uses only its own machine's
+            GPUs). :meth:`PoolClient.acquire <gpupool_sdk.client.PoolClient.acquire>` fills it
+            from the node-local agent (or ``$GPUPOOL_NODE``) when left None; a spec written with
+            None by other means may be placed on any node. Not allowed with ``nodes`` > 1 (each
+            gang member declares its own node when it joins).
+        nodes: number of nodes of a multi-node gang (default 1). ``gpus`` is the total over
+            all nodes and must be a multiple of ``nodes``: each node gets ``gpus // nodes``
+            slices, granted all or nothing once every node's member joined
+            (:meth:`PoolClient.join <gpupool_sdk.client.PoolClient.join>`). Gangs are rigid
+            (no ``min_gpus`` / ``max_gpus``) and take whole nodes' parts: ``topology`` is ignored.
 
     Raises:
         SpecError: a field is invalid, or is not a field at all (a misspelt keyword such as
@@ -127,6 +139,8 @@ class JobSpec:
     min_runtime_s: float = 0.0
     preempt_grace_s: float = 60.0
     owner: str = ""
+    node: str | None = None
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -174,6 +188,27 @@ class JobSpec:
             check(self.gpu_model, str, "gpu_model")
             set_(self, "gpu_model", _canonical_model(self.gpu_model))
         check(self.owner, str, "owner")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if self.node is not None:
+            check(self.node, str, "node")
+            if not _NODE_RE.match(self.node):
+                raise SpecError("node", f"{self.node!r} is not a node name; use letters, digits, '.', '_', ':' or '-'")
+        check(self.nodes, int, "nodes")
+        if self.nodes < 1:
+            raise SpecError("nodes", f"must be >= 1, got {self.nodes}")
+        if self.nodes == 1:
+            return
+        if self.node is not None:
+            raise SpecError("node", "a multi-node gang (nodes > 1) names no node: each member joins with its own")
+        if self.gpus % self.nodes:
+            raise SpecError(
+                "gpus", f"a gang of {self.nodes} nodes needs gpus (the total) to be a multiple of nodes, got {self.gpus}; "
+                f"for {max(1, self.gpus // self.nodes)} per node use gpus={max(1, self.gpus // self.nodes) * self.nodes}"
+            )
+        if self.is_elastic:
+            raise SpecError("min_gpus", "a multi-node gang is rigid: leave min_gpus and max_gpus unset")
 
     # Typed views (the dataclass fields accept strings for convenience; after validation they are normalised).
     @property
@@ -192,13 +227,25 @@ class JobSpec:
     def is_elastic(self) -> bool:
         return self.min_gpus != self.max_gpus
 
+    @property
+    def gpus_per_node(self) -> int:
+        """Slices on each node of a gang (``gpus // nodes``; ``gpus`` for a one-node job)."""
+        return self.gpus // self.nodes
+
+    @property
+    def is_gang(self) -> bool:
+        """True for a multi-node gang (``nodes`` > 1)."""
+        return self.nodes > 1
+
     def with_gpus(self, gpus: int) -> JobSpec:
         """The same spec asking for ``gpus`` slices (for elastic resizes)."""
         return replace(self, gpus=gpus)
 
     def describe(self) -> str:
         mem = "whole GPU" if self.memory_bytes == 0 else format_size(self.memory_bytes)
-        return f"{self.gpus}x[{mem}, {self.compute_share:g} compute] {self.qos_class.value} prio={self.priority}"
+        shape = f"{self.nodes} nodes x {self.gpus_per_node}" if self.is_gang else str(self.gpus)
+        where = f" on {self.node}" if self.node is not None else ""
+        return f"{shape}x[{mem}, {self.compute_share:g} compute] {self.qos_class.value} prio={self.priority}{where}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -217,6 +264,9 @@ class JobSpec:
             "min_runtime_s": self.min_runtime_s,
             "preempt_grace_s": self.preempt_grace_s,
             "owner": self.owner,
+            # Written only when set, so specs of one-node jobs read the same as before.
+            **({"node": self.node} if self.node is not None else {}),
+            **({"nodes": self.nodes} if self.nodes != 1 else {}),
         }
 
     @classmethod
@@ -242,6 +292,8 @@ class JobSpec:
             min_runtime_s=opt(d, "min_runtime_s", float, where, 0.0),
             preempt_grace_s=opt(d, "preempt_grace_s", float, where, 60.0),
             owner=opt(d, "owner", str, where, ""),
+            node=opt(d, "node", str, where, None),
+            nodes=opt(d, "nodes", int, where, 1),
         )
 
 

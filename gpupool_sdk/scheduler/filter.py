@@ -121,6 +121,10 @@ class SliceRequest:
         min_count: fewest slices it accepts (elastic jobs), else ``count``.
         topology: ``pack``, ``spread`` or ``any``.
         anti_affinity: group whose live members' nodes it must avoid.
+        nodes: the only nodes it may use (its spec's ``node``, or a gang's member nodes);
+            empty = any node.
+        per_node: for a multi-node gang, exactly this many slices on each of ``nodes``
+            (0 = no per-node split).
     """
 
     job: str
@@ -134,6 +138,8 @@ class SliceRequest:
     min_count: int = 1
     topology: str = "pack"
     anti_affinity: str | None = None
+    nodes: tuple[str, ...] = ()
+    per_node: int = 0
 
     @property
     def shape(self) -> tuple[object, ...]:
@@ -149,6 +155,8 @@ class SliceRequest:
             self.min_count,
             self.topology,
             self.anti_affinity,
+            self.nodes,
+            self.per_node,
         )
 
 
@@ -167,6 +175,13 @@ def request_for(view: JobView, config: SchedulerConfig, count: int | None = None
     spec = view.spec
     qos = spec.qos_class
     memory = spec.memory_bytes
+    nodes: tuple[str, ...] = ()
+    per_node = 0
+    if spec.is_gang:
+        nodes = tuple(m.node for m in view.members)
+        per_node = spec.gpus_per_node
+    elif spec.node is not None:
+        nodes = (spec.node,)
     peak = predicted_peak(view, memory, config) if qos is QoS.SHARED else memory
     want = spec.gpus if count is None else count
     return SliceRequest(
@@ -179,8 +194,10 @@ def request_for(view: JobView, config: SchedulerConfig, count: int | None = None
         gpu_model=spec.gpu_model,
         count=want,
         min_count=min(spec.min_gpus or want, want),
-        topology=spec.topology_wish.value,
+        topology="pack" if spec.is_gang else spec.topology_wish.value,
         anti_affinity=spec.anti_affinity,
+        nodes=nodes,
+        per_node=per_node,
     )
 
 

@@ -349,7 +349,8 @@ class Ledger:
         shared), then idle GPUs by smallest memory, ties by node and index; ``idle_first`` puts
         the idle GPUs first (spreading instead of packing, see :meth:`prefers_idle`). Exclusive jobs only
         see idle GPUs, so whole GPUs stay whole for them. GPUs reserved for another job and nodes
-        of the job's anti-affinity group (and ``avoid_nodes``) are skipped. ``min_island`` > 0
+        of the job's anti-affinity group (and ``avoid_nodes``) are skipped, and so are nodes
+        outside ``req.nodes`` when it names any (a job's own node, a gang's member nodes). ``min_island`` > 0
         restricts the search to classes that have NVLink islands of at least that size.
         """
         classes = self.matching_classes(req.features, req.gpu_model)
@@ -360,6 +361,7 @@ class Ledger:
         avoid = set(avoid_nodes)
         if req.anti_affinity is not None:
             avoid.update(n for n, c in self.groups.get(req.anti_affinity, {}).items() if c > 0)
+        only = frozenset(req.nodes)  # a job leases only its own node (a gang: its members' nodes)
         blocked = self.blocked
         loads = self.loads
         nodes = self.nodes
@@ -387,6 +389,8 @@ class Ledger:
                 if holder is not None and holder != job:
                     continue
                 if avoid and nodes[i] in avoid:
+                    continue
+                if only and nodes[i] not in only:
                     continue
                 if fits(loads[i], req, ratio):
                     yield i

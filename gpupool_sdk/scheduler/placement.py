@@ -9,7 +9,12 @@ the job's topology wish:
 * ``pack``: the first NVLink island to collect enough candidates, else the first node to do so,
   else the fewest nodes (nodes with the most candidates first);
 * ``spread``: the first candidate of each node, until enough distinct nodes;
-* ``any``: the first candidates in best-fit order.
+* ``any``: the first candidates in best-fit order;
+* a multi-node gang (``per_node``): exactly ``per_node`` slices on each of its member nodes
+  (one NVLink island per node when possible), all or none.
+
+A job restricted to some nodes (its spec's ``node``, a gang's members) only ever sees
+candidates on those nodes (:meth:`Ledger.candidates`).
 
 Slices of one gang always land on distinct GPUs. Elastic jobs (``min_count < count``) accept
 fewer slices, down to ``min_count``, when the full count does not fit. Placement never mutates
@@ -28,6 +33,8 @@ from gpupool_sdk.scheduler.ledger import Holding, Ledger
 def place(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str] = ()) -> list[int] | None:
     """Choose GPUs for ``req``; returns ledger GPU indices (``min_count`` to ``count`` of them) or None."""
     count = req.count
+    if req.per_node:
+        return _per_node(ledger, req, avoid_nodes)
     if count == 1:
         return _first(ledger.candidates(req, avoid_nodes, idle_first=ledger.prefers_idle(req)))
     cands = ledger.candidates(req, avoid_nodes)
@@ -46,6 +53,28 @@ def place(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str] = ()) ->
         if island is not None:
             return island
     return _pack(ledger, cands, count, req.min_count)
+
+
+def _per_node(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str]) -> list[int] | None:
+    """A multi-node gang: exactly ``req.per_node`` slices on each of ``req.nodes``, all or none;
+    on each node one NVLink island when one has room, else the node's best fits."""
+    want = req.per_node
+    if not req.nodes or want * len(req.nodes) != req.count:
+        return None
+    by_node: dict[str, list[int]] = {n: [] for n in req.nodes}
+    nodes = ledger.nodes
+    for i in ledger.candidates(req, avoid_nodes):
+        lst = by_node.get(nodes[i])
+        if lst is not None:
+            lst.append(i)
+    chosen: list[int] = []
+    for node in req.nodes:
+        cands = by_node[node]
+        if len(cands) < want:
+            return None
+        island = _island(ledger, cands, want) if 1 < want <= ledger.max_island else None
+        chosen.extend(island if island is not None else cands[:want])
+    return chosen
 
 
 def _island(ledger: Ledger, cands: Iterable[int], count: int) -> list[int] | None:

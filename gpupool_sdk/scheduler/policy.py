@@ -5,10 +5,12 @@ capacity ledger with reserve / un-reserve):
 
 1. ledger: committed capacity from every allocation in the snapshot, orphans included (:mod:`.ledger`);
 2. protocol: acks and missed deadlines -> Release / Revoke / Shrink / Preempt (:mod:`.protocol`);
+   gangs that lost a member -> Release to PENDING on every node (:mod:`.locality`);
 3. health / drain: jobs on unhealthy GPUs or draining nodes -> Preempt (:mod:`.health`);
 4. reject: specs no GPU of the pool could ever satisfy -> Reject (:mod:`.reject`);
 5. ordering: pending jobs by starvation, effective priority, LAS queue, FIFO (:mod:`.ordering`);
-6. per pending job: filter + score (:mod:`.filter`, :mod:`.placement`) -> reserve -> Grant;
+6. per pending job (a gang only once every node's member joined; a job only on its own node,
+   :mod:`.locality`): filter + score (:mod:`.filter`, :mod:`.placement`) -> reserve -> Grant;
    else wait for capacity already being freed, else Balloon, else shrink elastic victims (a
    Resize down toward ``min_gpus`` for the job) or Preempt lower-priority jobs or, with LAS,
    same-level jobs in a higher attained-service queue (:mod:`.preempt`),
@@ -33,6 +35,7 @@ from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import SliceRequest, fits, predicted_peak, request_for, unschedulable_reason
 from gpupool_sdk.scheduler.health import health_preemptions
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
+from gpupool_sdk.scheduler.locality import broken_gangs, gang_problem, node_wait_reason
 from gpupool_sdk.scheduler.ordering import effective_priority, las_rank, order_pending, waited_s
 from gpupool_sdk.scheduler.placement import holdings_for, place
 from gpupool_sdk.scheduler.preempt import (
@@ -228,6 +231,13 @@ class Scheduler:
                 cyc.busy.add(dec.job)
                 cyc.preempting[dec.job] = dec.for_job
 
+        # Gangs that lost a member: release every node's part (no half-gang keeps a slice).
+        for rel in broken_gangs(snapshot, ledger, proto.freed):
+            cyc.decisions.append(rel)
+            cyc.busy.add(rel.job)
+            proto.busy.discard(rel.job)
+            proto.freed.add(rel.job)
+
         # Health / drain.
         vacate = [] if self._memo.all_placeable(snapshot) else health_preemptions(snapshot, config, cyc.busy | proto.freed)
         for p in vacate:
@@ -276,6 +286,10 @@ class Scheduler:
         for view, count in pending:
             if count is None:
                 count = min(view.spec.gpus, slice_cap(view.spec, config.etcd_max_txn_ops))
+            gang_wait = gang_problem(view)
+            if gang_wait is not None:
+                self._queue(cyc, view, f"queued: {gang_wait}")
+                continue
             req = request_for(view, config, count)
             key = req.shape
             if key not in reject_cache:
@@ -604,6 +618,8 @@ class Scheduler:
             )
         else:
             what = f"GPU with {format_size(req.memory)} shared quota free (predicted peak {format_size(req.peak)})"
+        if req.nodes:
+            return node_wait_reason(cyc.ledger, req, what)
         if req.count == 1:
             return f"queued: no {what} among {matching} matching"
         layout = {"pack": "", "spread": " on distinct nodes", "any": ""}[req.topology]

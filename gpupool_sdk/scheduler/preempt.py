@@ -344,8 +344,8 @@ def _completion_groups(
     slice of ``req`` first fits there, the names applied on that GPU so far.
 
     GPUs therefore come out cheapest first: the one whose needed prefix ends earliest in
-    ``names``. GPUs reserved for another job, outside ``req``'s classes or on nodes of its
-    anti-affinity group are skipped.
+    ``names``. GPUs reserved for another job, outside ``req``'s classes, on nodes of its
+    anti-affinity group or outside its nodes (``req.nodes``) are skipped.
     """
     classes = {id(c) for c in ledger.matching_classes(req.features, req.gpu_model)}
     avoid: set[str] = set()
@@ -374,6 +374,7 @@ def _completion_groups(
                     or id(cls) not in classes
                     or (holder is not None and holder != job)
                     or (avoid and nodes[gpu] in avoid)
+                    or (req.nodes and nodes[gpu] not in req.nodes)
                 ):
                     state[gpu] = None
                     continue
@@ -489,6 +490,8 @@ class VictimIndex:
                 continue
             if avoid and ledger.nodes[gpu] in avoid:
                 continue
+            if req.nodes and ledger.nodes[gpu] not in req.nodes:
+                continue
             if any(n in busy for n in names):
                 continue
             load = ledger.loads[gpu].copy()
@@ -513,12 +516,12 @@ class VictimIndex:
         asks at least as much of every resource and at least as many GPUs: failed requests are
         remembered and such requests answered without a walk. False is always safe; it is
         answered for requests with anti-affinity (freeing a group member can unblock a node),
-        for jobs that hold reservations, and when a balloon target exceeds a quota (the change
+        for jobs restricted to some nodes (the cache is keyed without them), for jobs that hold reservations, and when a balloon target exceeds a quota (the change
         would not only free).
         """
         ledger = self.ledger
-        if req.anti_affinity is not None or req.job in ledger.blocked_jobs:
-            return False
+        if req.anti_affinity is not None or req.nodes or req.job in ledger.blocked_jobs:
+            return False  # (the cache below is keyed without node constraints)
         self.hopeless_calls += 1
         top = float(math.floor(top_priority))
         key = (req.qos, req.features, req.gpu_model, top, las)

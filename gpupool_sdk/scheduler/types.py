@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.resources import Ack, Allocation, Directive, GpuInfo, JobSpec, JobState
+from gpupool_sdk.resources import Ack, Allocation, Directive, GangMember, GpuInfo, JobSpec, JobState
 
 #: Smallest etcd ``--max-txn-ops`` the coordinator works with (a one-slice job's release needs 5).
 MIN_ETCD_MAX_TXN_OPS = 16
@@ -168,6 +168,8 @@ class JobView:
             holds (or asks for), from ``telemetry/{job}`` (``TelemetrySummary.remaining_s``); None
             when it declared no length. Progress-aware ordering and victim choice use it
             (:func:`~gpupool_sdk.scheduler.ordering.service_gpu_s`).
+        members: for a multi-node gang (``spec.nodes`` > 1), the members that joined
+            (``jobs/{job}/members/{node}`` on live leases), by node rank; empty otherwise.
     """
 
     spec: JobSpec
@@ -182,6 +184,7 @@ class JobView:
     memory_peak_bytes: int | None = None
     order: int = 0
     remaining_s: float | None = None
+    members: tuple[GangMember, ...] = ()
 
     @property
     def name(self) -> str:
