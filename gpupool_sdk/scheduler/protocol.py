@@ -90,7 +90,7 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
             elif now > d.deadline:
                 _free_for(snapshot, ledger, view, out, acked=False)
                 out.decisions.append(
-                    Revoke(name, f"no ack to {d.kind.value} directive seq {d.seq} by its deadline; lease revoked")
+                    Revoke(name, f"no ack to {getattr(d.kind, 'value', d.kind)} directive seq {d.seq} by its deadline; lease revoked")
                 )
             else:
                 out.busy.add(name)
