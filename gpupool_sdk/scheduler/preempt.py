@@ -457,6 +457,7 @@ class VictimIndex:
         self._cache: dict[tuple[object, ...], list[tuple[int, list[str]]]] = {}
         self._walks: dict[tuple[object, ...], dict[int, _GpuWalk]] = {}
         self._hopeless: dict[tuple[object, ...], list[tuple[int, float, int, int]]] = {}
+        self._under: dict[tuple[float, tuple[int, int] | None], list[str]] = {}
         #: how many :meth:`hopeless` answers came from a smaller request that had failed (and in all).
         self.hopeless_hits = 0
         self.hopeless_calls = 0
@@ -585,9 +586,16 @@ class VictimIndex:
         return walk
 
     def candidates_under(self, top_priority: float, las: tuple[int, int] | None) -> list[str]:
-        """The candidates of priority <= ``top_priority`` or LAS victims under ``las``, in pool order."""
-        standing = self.standing
-        return [n for n, p in self.pool if p <= top_priority or las_allows(standing.get(n), las)]
+        """The candidates of priority <= ``top_priority`` or LAS victims under ``las``, in pool order
+        (computed once per bound and cycle: the pool does not change within a cycle; callers filter)."""
+        key = (top_priority, las)
+        found = self._under.get(key)
+        if found is None:
+            standing = self.standing
+            found = self._under[key] = [
+                n for n, p in self.pool if p <= top_priority or las_allows(standing.get(n), las)
+            ]
+        return found
 
     def _options(self, req: SliceRequest, top_priority: float, las: tuple[int, int] | None) -> list[tuple[int, list[str]]]:
         """What ``_completion_groups(ledger, req, candidates_under(...), targets, respect_blocks=False)``
