@@ -7,6 +7,20 @@ lease alive even while the training thread holds the GIL (it has its own), forwa
 allocations and directives, writes acks and telemetry, and revokes the lease at once when the
 training process dies (pipe EOF or a changed parent pid), so a SIGKILLed trainer frees its
 slices long before the TTL.
+
+Riding out etcd faults (issue 12):
+
+* **Acquire** retries an unreachable etcd (a restart, a member election, a fail-over between
+  endpoints) with backoff until the caller's timeout: the lease grant, the spec's creation (a
+  create whose reply was lost is recognised by its lease), and the first listings.
+* **Release** during an outage: a revocation that cannot reach etcd is kept and retried in the
+  background until etcd answers, also after the training process has gone (for up to
+  :data:`REVOKE_RETRY_S`), so the job's name and slices are free as soon as etcd is back instead
+  of one TTL later (etcd restarts the TTL of every lease when it restarts).
+* **Restart under the same name**: the spec is created together with ``jobs/{job}/owner`` (host,
+  pids). A spec left by this host's own earlier holder whose helper is gone (or by a lease this
+  helper is still revoking) is revoked and taken over instead of raising
+  :class:`JobAlreadyRunningError`.
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,6 +36,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from tenacity import Retrying, retry_if_exception_type, stop_never, wait_exponential
+
+from gpupool_sdk.client import gang_member
 from gpupool_sdk.client.protocol import JobAlreadyRunningError, pack_error
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import (
@@ -30,17 +48,57 @@ from gpupool_sdk.errors import (
     LeaseLostError,
     SchemaError,
     SpecError,
+    StoreUnavailableError,
 )
 from gpupool_sdk.resources import Allocation, Directive, JobSpec, JobState, JobStatus
-from gpupool_sdk.store.codec import decode, decode_dict
+from gpupool_sdk.store.codec import decode, decode_dict, encode
 from gpupool_sdk.store.etcd_store import EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.lease import LeaseKeeper
 from gpupool_sdk.store.records import ResumeRecord, TelemetryRecord
-from gpupool_sdk.store.types import KeyValue, WatchEvent
+from gpupool_sdk.store.types import Compare, KeyValue, Put, WatchEvent
 from gpupool_sdk.store.watch import Watcher
 
 log = logging.getLogger(__name__)
+
+#: After the training process has gone, the helper keeps retrying revocations that could not
+#: reach etcd for this long (seconds), then exits and leaves the leases to expire.
+REVOKE_RETRY_S = 120.0
+#: Pause between two rounds of revocation retries (seconds).
+REVOKE_RETRY_INTERVAL_S = 0.5
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot (Linux ``/proc``), None if unknown or gone.
+
+    Together with the pid it names one process: a recycled pid has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:
+        # Field 22; the command name (field 2) may hold spaces, so split after its closing paren.
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def process_alive(pid: int, start_ticks: int | None) -> bool:
+    """True when process ``pid`` exists and (when known) started at ``start_ticks``."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    if start_ticks is None:
+        return True
+    now = process_start_ticks(pid)
+    return now is None or now == start_ticks
 
 
 class Conn(Protocol):
@@ -91,9 +149,19 @@ class Helper:
         self.timing = timing
         self.parent_pid = parent_pid
         self.sessions: dict[str, _Session] = {}
+        self.gang_members: dict[str, Any] = {}  # job -> gang_member.MemberSession (multi-node gangs)
         self._lock = threading.RLock()
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
+        #: acquires to submit again: (request id, spec, seconds left or None), see :meth:`lost`.
+        self._resubmit: list[tuple[int, JobSpec, float | None]] = []
+        #: leases whose revocation could not reach etcd (lease id -> job), retried in the background.
+        self.pending_revokes: dict[int, str] = {}
+        self._revoker: threading.Thread | None = None
+        self._revoke_wake = threading.Event()
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.start_ticks = process_start_ticks(self.pid)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -130,6 +198,7 @@ class Helper:
                         break
                     self.dispatch(msg)
                 self.check_deadlines()
+                self.resubmit_lost()
         finally:
             self.shutdown()
 
@@ -148,6 +217,8 @@ class Helper:
                 self.reply(req_id, self.resume_info(msg["job"]))
             elif op == "telemetry":
                 self.write_telemetry(msg["job"], msg["record"])
+            elif op in ("member", "nodes"):
+                gang_member.handle_request(self, op, req_id, msg)
             else:
                 self.reply(req_id, error=GpupoolError(f"unknown request {op!r}"))
         except GpupoolError as exc:
@@ -166,32 +237,176 @@ class Helper:
             old = self.sessions.get(job)
             if old is not None and not old.ended:
                 raise JobAlreadyRunningError(f"job {job!r} is already acquired by this client; release() it first")
+        deadline = None if timeout is None else time.monotonic() + timeout
         session: _Session | None = None
-        keeper = LeaseKeeper(self.store, self.timing, on_lost=lambda exc: self.lost(job, exc))
-        lease_id = keeper.start()
-        try:
-            spec_key = self.keys.job_spec(job)
-            if not self.store.create(spec_key, spec, lease=lease_id):
-                kv = self.store.get(spec_key)
-                holder = f"etcd lease {kv.lease:x}" if kv is not None and kv.lease else "no lease"
-                raise JobAlreadyRunningError(
-                    f"job {job!r} is already running: {spec_key} is held by {holder}; "
-                    f"see `etcdctl lease timetolive {kv.lease if kv else 0:x} --keys`; stop that job or choose another name"
-                )
-            session = _Session(spec=spec, keeper=keeper, lease_id=lease_id, pending_id=req_id)
-            session.deadline = None if timeout is None else time.monotonic() + timeout
+        keeper: LeaseKeeper | None = None
+        created = False
+
+        def attempt() -> _Session:
+            # One try; an unreachable etcd (StoreUnavailableError) makes the caller try again.
+            nonlocal keeper, created, session
+            if self._stop.is_set() or not self.parent_alive():
+                raise GpupoolError(f"acquire of {job!r} abandoned: the training process is gone")
+            if keeper is None or keeper.lost:
+                fresh = LeaseKeeper(self.store, self.timing, on_lost=lambda exc: self.lost(job, exc))
+                fresh.start()
+                keeper, created = fresh, False
+            if not created:
+                self._create_spec(spec, keeper.lease_id)
+                created = True
+            if session is None or session.keeper is not keeper:
+                session = _Session(spec=spec, keeper=keeper, lease_id=keeper.lease_id, pending_id=req_id)
+                session.deadline = deadline
             with self._lock:
                 self.sessions[job] = session
-            self._start_watches(session)
-            self.evaluate(session)
+            try:
+                self._start_watches(session)
+            except BaseException:
+                for w in session.watchers:
+                    w.cancel()
+                session.watchers.clear()
+                raise
+            return session
+
+        def give_up(state: Any) -> bool:
+            return deadline is not None and time.monotonic() >= deadline
+
+        def before_sleep(state: Any) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            left = "" if deadline is None else f" for {max(0.0, deadline - time.monotonic()):.1f}s more"
+            log.warning("acquire of %s: etcd unavailable (%s); retrying%s", job, exc, left)
+
+        retrying = Retrying(
+            stop=give_up if deadline is not None else stop_never,
+            wait=wait_exponential(multiplier=0.1, max=1.0),
+            retry=retry_if_exception_type(StoreUnavailableError),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        try:
+            started = retrying(attempt)
+            self.evaluate(started)
         except BaseException:
-            if session is not None:
-                with self._lock:
+            with self._lock:
+                if session is not None and self.sessions.get(job) is session:
                     self.sessions.pop(job, None)
+            if session is not None:
                 self._end(session, revoke=True)
-            else:
-                keeper.stop(revoke=True)
+            elif keeper is not None:
+                self._stop_keeper(keeper, job)
             raise
+
+    def _create_spec(self, spec: JobSpec, lease_id: int) -> None:
+        """Create ``jobs/{job}/spec`` and ``jobs/{job}/owner`` on ``lease_id``, taking over a stale own spec.
+
+        Raises:
+            JobAlreadyRunningError: another live holder has the name.
+            StoreUnavailableError: etcd could not be reached (the caller retries).
+        """
+        job = spec.name
+        spec_key, owner_key = self.keys.job_spec(job), self.keys.job_owner(job)
+        owner = encode({"host": self.host, "helper_pid": self.pid, "helper_start": self.start_ticks,
+                        "parent_pid": self.parent_pid, "lease": lease_id, "at": time.time()}, kind="JobOwner")
+        for _ in range(3):
+            try:
+                created = self.store.txn(
+                    [Compare(spec_key, "create", "==", 0)], [Put(spec_key, spec, lease_id), Put(owner_key, owner, lease_id)]
+                )
+            except StoreUnavailableError:
+                # The transaction may have been applied with its reply lost: a spec on our lease says so.
+                kv = self.store.get(spec_key)
+                if kv is not None and kv.lease == lease_id:
+                    return
+                raise
+            if created:
+                return
+            kv = self.store.get(spec_key)
+            if kv is None:
+                continue  # gone in between: try again
+            if kv.lease == lease_id:
+                return  # our own create, applied by an earlier attempt whose reply was lost
+            stale = self._stale_own(job, kv)
+            if stale is None:
+                holder = f"etcd lease {kv.lease:x}" if kv.lease else "no lease"
+                raise JobAlreadyRunningError(
+                    f"job {job!r} is already running: {spec_key} is held by {holder}; "
+                    f"see `etcdctl lease timetolive {kv.lease:x} --keys`; stop that job or choose another name"
+                )
+            log.warning("job %s: taking over its own stale spec on etcd lease %x (%s)", job, kv.lease, stale)
+            self.store.revoke_lease(kv.lease)
+            with self._lock:
+                self.pending_revokes.pop(kv.lease, None)
+        raise JobAlreadyRunningError(f"job {job!r}: {spec_key} keeps reappearing; another process is submitting it")
+
+    def _stale_own(self, job: str, kv: KeyValue) -> str | None:
+        """Why the spec in ``kv`` is this host's own leftover; None when it may belong to a live holder."""
+        if not kv.lease:
+            return None  # not written by a PoolClient: never ours to take
+        with self._lock:
+            if kv.lease in self.pending_revokes:
+                return "this helper released it while etcd was unreachable"
+        got = self.store.get(self.keys.job_owner(job))
+        if got is None or got.lease != kv.lease:
+            return None
+        try:
+            owner = decode_dict(got.key, got.value)
+        except SchemaError:
+            return None
+        pid, start = owner.get("helper_pid"), owner.get("helper_start")
+        if owner.get("host") != self.host or not isinstance(pid, int) or isinstance(pid, bool):
+            return None
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
+            return None
+        if process_alive(pid, start):
+            return None
+        return f"the I/O helper that held it (pid {pid} on {self.host}) is gone"
+
+    def _stop_keeper(self, keeper: LeaseKeeper, job: str) -> None:
+        """Stop ``keeper`` and revoke its lease; one etcd could not take is retried in the background."""
+        if not keeper.stop(revoke=True):
+            with self._lock:
+                self.pending_revokes[keeper.lease_id] = job
+            self._start_revoker()
+
+    def _start_revoker(self) -> None:
+        with self._lock:
+            if self._revoker is not None and self._revoker.is_alive():
+                self._revoke_wake.set()
+                return
+            self._revoker = threading.Thread(target=self._revoke_loop, name="gpupool-revoker", daemon=True)
+            self._revoker.start()
+
+    def retry_revokes(self) -> int:
+        """Try every pending revocation once; returns how many are still pending."""
+        with self._lock:
+            pending = list(self.pending_revokes.items())
+        for lease_id, job in pending:
+            try:
+                self.store.revoke_lease(lease_id)  # False (already gone) is success too
+            except GpupoolError as exc:
+                log.debug("revocation of lease %x (%s) still pending: %s", lease_id, job, exc)
+                continue
+            log.warning("released job %s: etcd lease %x revoked now that etcd answers again", job, lease_id)
+            with self._lock:
+                self.pending_revokes.pop(lease_id, None)
+        with self._lock:
+            return len(self.pending_revokes)
+
+    def _revoke_loop(self) -> None:
+        while self.retry_revokes():
+            self._revoke_wake.wait(REVOKE_RETRY_INTERVAL_S)
+            self._revoke_wake.clear()
+
+    def drain_revokes(self, limit_s: float = REVOKE_RETRY_S) -> int:
+        """Retry pending revocations until none is left or ``limit_s`` passed; returns how many remain."""
+        deadline = time.monotonic() + limit_s
+        left = self.retry_revokes()
+        while left and time.monotonic() < deadline:
+            time.sleep(REVOKE_RETRY_INTERVAL_S)
+            left = self.retry_revokes()
+        if left:
+            log.warning("gave up revoking %d lease(s) after %.0fs; they expire after their TTL", left, limit_s)
+        return left
 
     def _start_watches(self, s: _Session) -> None:
         job = s.job
@@ -309,6 +524,10 @@ class Helper:
                 return
             allocs = tuple(sorted(s.allocations.values(), key=lambda a: (a.node, a.gpu_index, a.gpu_uuid)))
             self.send({"op": "state", "job": s.job, "lease_id": s.lease_id, "status": s.status, "allocations": allocs})
+            if s.spec.is_gang and s.ever_granted and s.status is not None and s.status.state is JobState.PENDING:
+                # Another node of the gang left: the leader released every node (no half-gang trains).
+                self.lost(s.job, LeaseLostError(f"gang {s.job!r} was released on every node: {s.status.reason}"))
+                return
             if s.pending_id is None:
                 return
             if s.granted():
@@ -362,6 +581,7 @@ class Helper:
         return got[0] if got else None
 
     def release(self, job: str) -> None:
+        gang_member.end_member(self, job)
         with self._lock:
             s = self.sessions.pop(job, None)
         if s is not None:
@@ -374,24 +594,59 @@ class Helper:
                 return
             self.sessions.pop(job, None)
             pending, s.pending_id = s.pending_id, None
-        self.send({"op": "lost", "job": job, "error": pack_error(exc)})
-        if pending is not None:
-            self.reply(pending, error=exc)
+            left = None if s.deadline is None else s.deadline - time.monotonic()
+            if pending is not None and not s.ever_granted and (left is None or left > 0):
+                # Still waiting for its grant: an outage cost it its lease, not its place in line.
+                # Submit again under a new lease within what is left of the caller's timeout.
+                log.warning("job %s lost its lease while waiting for a grant (%s); submitting it again", job, exc)
+                self._resubmit.append((pending, s.spec, left))
+                resubmit = True
+            else:
+                resubmit = False
+        if not resubmit:
+            self.send({"op": "lost", "job": job, "error": pack_error(exc)})
+            if pending is not None:
+                self.reply(pending, error=exc)
         self._end(s, revoke=True)
+
+    def resubmit_lost(self) -> None:
+        """Submit again the acquires whose lease was lost before their grant (main thread)."""
+        with self._lock:
+            todo, self._resubmit = self._resubmit, []
+        for req_id, spec, left in todo:
+            self.dispatch({"op": "acquire", "id": req_id, "spec": spec,
+                           "timeout": None if left is None else max(0.0, left)})
 
     def _end(self, s: _Session, revoke: bool) -> None:
         with self._lock:
             s.ended = True
         for w in s.watchers:
             w.cancel()
-        s.keeper.stop(revoke=revoke)
+        if revoke:
+            self._stop_keeper(s.keeper, s.job)
+        else:
+            s.keeper.stop(revoke=False)
 
-    def shutdown(self) -> None:
+    def shutdown(self, revoke_retry_s: float = REVOKE_RETRY_S) -> None:
+        """End every session (revoking its lease); finish revocations etcd could not take yet.
+
+        The training process may be gone already: the helper then stays up to ``revoke_retry_s``
+        to revoke what it released during an outage, so names and slices free up as soon as etcd
+        is back. It says so first (``revoking``), so a closing client does not kill it.
+        """
+        gang_member.end_all(self)
         with self._lock:
             sessions = list(self.sessions.values())
             self.sessions.clear()
         for s in sessions:
             self._end(s, revoke=True)
+        with self._lock:
+            left = len(self.pending_revokes)
+        if left:
+            self.send({"op": "revoking", "leases": left})
+            log.warning("%d lease(s) released while etcd was unreachable: retrying their revocation for up to %.0fs",
+                        left, revoke_retry_s)
+            self.drain_revokes(revoke_retry_s)
 
 
 def _alive(parent_pid: int) -> bool:

@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
@@ -122,8 +122,10 @@ class PoolClient:
         timing: lease TTL, keepalive interval and retry deadline (default :meth:`LeaseTiming.from_env`).
         in_process: run the I/O side in threads of this process instead of a helper process.
             For the coordinator's tests and benchmarks only: it loads gRPC here and is not fork-safe.
-        node: this machine's node name, to pick its slices for :attr:`Lease.visible_devices`
-            (default ``$GPUPOOL_NODE`` or the host name).
+        node: the pool node this process runs on: every spec it submits is granted only there
+            (``JobSpec.node``), and :attr:`Lease.visible_devices` picks that node's slices.
+            Default ``$GPUPOOL_NODE``, else found at the first acquire from the node-local
+            agent (:meth:`local_node`, :mod:`gpupool_sdk.client.node`).
         timeout_s: deadline of one etcd call and of a request to the helper.
         telemetry_interval_s: at most one telemetry write per job per this many seconds.
         security: TLS and etcd-auth settings; default :meth:`EtcdSecurity.from_env`
@@ -170,7 +172,9 @@ class PoolClient:
         self.timeout_s = float(timeout_s)
         self.telemetry_interval_s = float(telemetry_interval_s)
         self.in_process = in_process
-        self.node = node or os.environ.get(NODE_ENV) or socket.gethostname()
+        #: the node this process runs on; None until :meth:`local_node` found it.
+        self.node: str | None = node or os.environ.get(NODE_ENV) or None
+        self._joining: dict[str, str] = {}  # gang jobs node rank 0 is joining -> its node
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -186,6 +190,7 @@ class PoolClient:
         self._telemetry_wake = threading.Event()
         self._telemetry_thread: threading.Thread | None = None
         self._closed = False
+        self._helper_revoking = False
         self.helper_pid: int | None = None
 
     # ------------------------------------------------------------------ helper lifecycle
@@ -328,6 +333,11 @@ class PoolClient:
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
+        if op == "revoking":
+            # The helper is finishing revocations etcd could not take during an outage: closing
+            # must not kill it (it exits by itself once done, see helper.REVOKE_RETRY_S).
+            self._helper_revoking = True
+            return
         if op == "reply":
             p = self._pending.get(msg["id"])
             if p is None:
@@ -396,7 +406,13 @@ class PoolClient:
             JobAlreadyRunningError: a live job of the same name exists (the message names its lease).
             JobRejectedError: the pool rejected the spec as impossible (the reason says why).
             AcquireTimeoutError: not granted in time; the lease was revoked, nothing is left behind.
-            StoreUnavailableError: etcd could not be reached.
+            StoreUnavailableError: etcd stayed unreachable until ``timeout`` ran out. Shorter
+                outages (an etcd restart, a member election, a fail-over between endpoints) are
+                retried with backoff, and a lease lost to one before the grant is replaced by a
+                new submission, all within ``timeout``.
+
+        A spec left under the same name by this host's own earlier run (its I/O helper is gone,
+        for example after a kill or a release during an etcd outage) is taken over, not an error.
         """
         if not isinstance(spec, JobSpec):
             raise ConfigError("spec", f"expected a JobSpec, got {type(spec).__name__}")
@@ -404,17 +420,23 @@ class PoolClient:
             raise ConfigError(
                 "timeout", f"must be a finite number of seconds >= 0, or None to wait as long as it takes; got {timeout}"
             )
+        if spec.is_gang and spec.name not in self._joining:
+            return self.join(spec, timeout=timeout, on_status=on_status)
+        if not spec.is_gang and spec.node is None:
+            # Node-local leasing: a process only ever uses its own machine's GPUs.
+            spec = replace(spec, node=self.local_node())
         if spec.name in self._routes:
             from gpupool_sdk.client.protocol import JobAlreadyRunningError
 
             raise JobAlreadyRunningError(f"job {spec.name!r} is already held by this client; release() it first")
         self._ensure_helper()
-        lease = Lease(self, spec, lease_id=0, node=self.node)
+        lease = Lease(self, spec, lease_id=0, node=spec.node or self._joining.get(spec.name) or self.node or "")
         lease._on_status = on_status
         self._routes[spec.name] = lease
         try:
             # The helper enforces the grant timeout (and revokes); allow it time to answer.
-            wait = None if timeout is None else timeout + self.timeout_s * 3
+            # (One etcd call in flight at the deadline may still take up to a few timeout_s.)
+            wait = None if timeout is None else timeout + self.timeout_s * 6
             result = self._request({"op": "acquire", "spec": spec, "timeout": timeout}, timeout=wait)
         except BaseException as exc:
             self._routes.pop(spec.name, None)
@@ -424,6 +446,138 @@ class PoolClient:
                     self._send({"op": "release", "job": spec.name, "id": -1})
             raise
         # The helper sent the granted state before this reply, so the lease already holds it.
+        lease._granted(int(result["lease_id"]))
+        self._leases[spec.name] = lease
+        return lease
+
+    def local_node(self) -> str:
+        """The pool node this process runs on (see :mod:`gpupool_sdk.client.node`); found once.
+
+        Raises:
+            ConfigError: no agent on this machine names a node, or several do; the message names
+                ``GPUPOOL_NODE`` and the agent's runtime directory.
+        """
+        if self.node:
+            return self.node
+        from gpupool_sdk.client.node import candidate_dirs, read_agent_files, resolve_node
+
+        dirs = candidate_dirs()
+        published = self._request({"op": "nodes"})
+        node, how = resolve_node(
+            explicit=None,
+            env_node=None,
+            agent_files=read_agent_files(dirs),
+            published=published,
+            hostname=socket.gethostname(),
+            dirs=[str(d) for d in dirs],
+        )
+        log.info("this process runs on pool node %s (from %s)", node, how)
+        self.node = node
+        return node
+
+    def join(
+        self,
+        spec: JobSpec,
+        *,
+        node_rank: int | None = None,
+        nnodes: int | None = None,
+        node: str | None = None,
+        timeout: float | None = None,
+        on_status: Callable[[JobStatus], None] | None = None,
+    ) -> Lease:
+        """Join a multi-node gang with this node's part, and wait until the whole gang is granted.
+
+        Call it once per node, from the process that leases the node's GPUs (the launcher's
+        local rank 0, or ``gpupool run`` on that node). Every node writes
+        ``jobs/{job}/members/{node}`` on its own etcd lease; node rank 0 also submits the spec
+        (its lease carries the gang's allocations, status and directives, and it writes the
+        acks). The leader grants ``spec.gpus_per_node`` slices on every member's node at once
+        when all ``spec.nodes`` members joined, and releases every node when one member leaves:
+        the other members' leases are then lost (their launcher restarts them and they join
+        again). A preemption directive reaches every member; node rank 0 acks it after the
+        collective checkpoint, and every member's slices go back together.
+
+        Args:
+            spec: the gang's spec (``nodes`` > 1; ``gpus`` is the total). A one-node spec is
+                simply acquired.
+            node_rank: this node's rank; default from the launcher's environment
+                (:func:`~gpupool_sdk.client.launch.launch_info`: torchrun ``GROUP_RANK``, Slurm
+                ``SLURM_NODEID``, Kubeflow ``PET_NODE_RANK``).
+            nnodes: nodes the launcher started; default from the environment likewise. Must
+                equal ``spec.nodes``.
+            node: the pool node this process runs on; default :meth:`local_node`.
+            timeout: seconds to wait for the gang's grant (None: as long as it takes).
+            on_status: called with every status the leader writes for the job.
+
+        Returns:
+            The granted :class:`Lease`: :attr:`Lease.allocations` lists the whole gang,
+            :attr:`Lease.visible_devices` this node's GPUs.
+
+        Raises:
+            ConfigError: not local rank 0, a node count that differs from ``spec.nodes``, or
+                no node found; the message names the variable.
+            JobAlreadyRunningError: another process already joined for this node.
+            JobRejectedError, AcquireTimeoutError, StoreUnavailableError: as :meth:`acquire`.
+
+        Example:
+            >>> spec = JobSpec(name="llm", gpus=16, nodes=2, memory="70GiB")    # doctest: +SKIP
+            >>> lease = pool.join(spec, timeout=3600)   # under torchrun, on LOCAL_RANK 0 of each node
+        """
+        from gpupool_sdk.client.launch import launch_info
+
+        if not isinstance(spec, JobSpec):
+            raise ConfigError("spec", f"expected a JobSpec, got {type(spec).__name__}")
+        if not spec.is_gang:
+            return self.acquire(replace(spec, node=spec.node or node), timeout=timeout, on_status=on_status)
+        if node_rank is None or nnodes is None:
+            info = launch_info(os.environ)
+            if not info.leases:
+                raise ConfigError(
+                    "LOCAL_RANK",
+                    f"only local rank 0 of each node joins a gang; this process has local rank {info.local_rank} "
+                    "(it uses the devices its node's local rank 0 leased)",
+                )
+            node_rank = info.node_rank if node_rank is None else node_rank
+            nnodes = info.nnodes if nnodes is None else nnodes
+        if nnodes != spec.nodes:
+            raise ConfigError(
+                "nnodes",
+                f"the launcher started {nnodes} node(s) but the spec says nodes={spec.nodes}; "
+                "start the job on as many nodes as its spec declares (torchrun --nnodes, srun -N)",
+            )
+        if not 0 <= node_rank < nnodes:
+            raise ConfigError("node_rank", f"must be in [0, {nnodes}), got {node_rank}")
+        if timeout is not None and not 0 <= timeout < math.inf:
+            raise ConfigError("timeout", f"must be a finite number of seconds >= 0, or None; got {timeout}")
+        if spec.name in self._routes:
+            from gpupool_sdk.client.protocol import JobAlreadyRunningError
+
+            raise JobAlreadyRunningError(f"job {spec.name!r} is already held by this client; release() it first")
+        where = node or self.local_node()
+        msg = {"op": "member", "spec": spec, "node": where, "node_rank": node_rank, "nnodes": nnodes, "pid": os.getpid()}
+        wait = None if timeout is None else timeout + self.timeout_s * 6
+        if node_rank == 0:
+            self._request({**msg, "follow": False})
+            self._joining[spec.name] = where
+            try:
+                return self.acquire(spec, timeout=timeout, on_status=on_status)
+            except BaseException:
+                with contextlib.suppress(GpupoolError):
+                    self._send({"op": "release", "job": spec.name, "id": -1})  # leave the gang too
+                raise
+            finally:
+                self._joining.pop(spec.name, None)
+        lease = Lease(self, spec, lease_id=0, node=where)
+        lease._on_status = on_status
+        self._routes[spec.name] = lease
+        try:
+            result = self._request({**msg, "follow": True, "timeout": timeout}, timeout=wait)
+        except BaseException as exc:
+            self._routes.pop(spec.name, None)
+            if not isinstance(exc, GpupoolError):
+                with contextlib.suppress(GpupoolError):
+                    self._send({"op": "release", "job": spec.name, "id": -1})
+            raise
         lease._granted(int(result["lease_id"]))
         self._leases[spec.name] = lease
         return lease
@@ -459,10 +613,21 @@ class PoolClient:
                 self._send({"op": "close"})
             if self._proc is not None:
                 try:
-                    self._proc.wait(timeout=self.timeout_s + self.timing.retry_timeout_s + 5)
+                    # Until it exits, or says it stays on to finish revocations (no point waiting then).
+                    deadline = time.monotonic() + self.timeout_s + self.timing.retry_timeout_s + 5
+                    while self._proc.poll() is None and not self._helper_revoking:
+                        if time.monotonic() > deadline:
+                            raise subprocess.TimeoutExpired(self._proc.args, self.timeout_s)
+                        time.sleep(0.02)
                 except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
+                    pass
+                if self._proc.poll() is None:
+                    if self._helper_revoking:
+                        log.warning("the client's I/O helper (pid %s) keeps retrying revocations etcd could not "
+                                    "take; leaving it to finish", self._proc.pid)
+                    else:
+                        self._proc.kill()
+                        self._proc.wait()
             if self._helper_thread is not None:
                 self._helper_thread.join(self.timeout_s + 5)
             conn.close()

@@ -8,6 +8,7 @@ Layout under the prefix (default ``/gpupool/v1``)::
     drains/{node}                         operator (gpupool drain), no lease
     jobs/{job}/spec                       client, on the job's lease
     jobs/{job}/status                     leader, on the job's lease
+    jobs/{job}/owner                      client, on the job's lease (host and pids holding it)
     jobs/{job}/members/{node}             gang member on that node (PoolClient.join), on the member's own lease
     allocations/{node}/{gpu_uuid}/{job}   leader, on the job's lease
     directives/{job}                      leader, on the job's lease
@@ -113,6 +114,9 @@ class Keyspace:
     def job_status(self, job: str) -> str:
         return self._k("jobs", _seg(job, "job"), "status")
 
+    def job_owner(self, job: str) -> str:
+        return self._k("jobs", _seg(job, "job"), "owner")
+
     def jobs_prefix(self) -> str:
         return self._k("jobs", "")
 
@@ -208,7 +212,7 @@ class Keyspace:
             return ParsedKey("timeslice.member", (rest[0], rest[1], rest[3]))
         if head == "jobs" and len(rest) == 3 and rest[1] == "members" and rest[0] and rest[2]:
             return ParsedKey("jobs.member", (rest[0], rest[2]))
-        if head == "jobs" and len(rest) == 2 and rest[1] in ("spec", "status"):
+        if head == "jobs" and len(rest) == 2 and rest[1] in ("spec", "status", "owner"):
             return ParsedKey(f"jobs.{rest[1]}", (rest[0],))
         if head in shapes and len(rest) == shapes[head] and all(rest):
             return ParsedKey(head, rest)

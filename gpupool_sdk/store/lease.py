@@ -154,10 +154,14 @@ class LeaseKeeper:
                     self._declare_lost(exc)
                 return
 
-    def stop(self, revoke: bool = True) -> None:
+    def stop(self, revoke: bool = True) -> bool:
         """Stop refreshing; with ``revoke`` also revoke the lease so its keys vanish at once.
 
-        Never raises for an unreachable etcd: the lease then simply expires after its TTL.
+        Never raises for an unreachable etcd: the lease then simply expires after its TTL (or
+        the caller retries the revocation when etcd is back, as the client's helper does).
+
+        Returns:
+            False when a revocation was asked for and could not reach etcd; True otherwise.
         """
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -167,10 +171,12 @@ class LeaseKeeper:
                 self.store.revoke_lease(self._lease_id)
             except GpupoolError as exc:
                 log.warning("could not revoke lease %x (%s); it expires within %gs", self._lease_id, exc, self.timing.ttl_s)
+                return False
+        return True
 
     def __enter__(self) -> LeaseKeeper:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop(revoke=True)
+        self.stop(revoke=True)  # an unreachable etcd lets the lease expire (see stop)
