@@ -27,6 +27,10 @@ from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
 
+#: Deadline of the metrics endpoint's etcd read (its scrape answers within it, etcd up or not).
+METRICS_READ_TIMEOUT_S = 2.0
+
+
 def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
     """Patroni's default of 10 s, capped so that ``loop_wait + 2 * retry_timeout <= ttl`` holds."""
     if not (math.isfinite(ttl_s) and math.isfinite(loop_wait_s)):
@@ -155,9 +159,16 @@ def coordinator(
         from gpupool_sdk.telemetry.prometheus import serve_metrics
 
         coord_metrics.watch(coord)
+        # A connection of its own with a short deadline: with etcd down a scrape answers
+        # gpupool_store_up 0 within METRICS_READ_TIMEOUT_S, inside Prometheus's scrape timeout,
+        # instead of retrying for as long as the coordinator's own calls do.
+        metrics_store = EtcdStore(
+            resolve_endpoints(endpoints), keyspace=store.keys, timeout_s=METRICS_READ_TIMEOUT_S, security=security
+        )
         try:
-            metrics = serve_metrics(store, metrics_port, metrics_addr, extra_collectors=[coord_metrics])
+            metrics = serve_metrics(metrics_store, metrics_port, metrics_addr, extra_collectors=[coord_metrics])
         except ConfigError as exc:
+            metrics_store.close()
             store.close()
             raise click.BadParameter(str(exc), param_hint="--metrics-port/--metrics-addr") from None
         click.echo(f"metrics on http://{metrics_addr}:{metrics.port}/metrics", err=True)
@@ -173,6 +184,7 @@ def coordinator(
     finally:
         if metrics is not None:
             metrics.close()
+            metrics_store.close()
         store.close()
     click.echo(f"coordinator {coord.id} stopped after {stats.cycles} cycle(s)", err=True)
     sys.exit(0)
