@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool_sdk.store.endpoints import parse_endpoints
 from gpupool_sdk.store.keyspace import Keyspace
-from gpupool_sdk.store.launcher import EtcdServer, EtcdServerTLS, find_etcd_binary, find_etcdctl_binary
+from gpupool_sdk.store.launcher import (
+    EtcdCluster,
+    EtcdServer,
+    EtcdServerTLS,
+    find_etcd_binary,
+    find_etcdctl_binary,
+)
 from gpupool_sdk.store.records import ResumeRecord, TelemetryRecord
 from gpupool_sdk.store.security import EtcdSecurity
 from gpupool_sdk.store.types import Compare, Delete, KeyValue, LeaseInfo, Put, WatchEvent
@@ -52,6 +58,7 @@ __all__ = [
     "Compare",
     "Delete",
     "EtcdSecurity",
+    "EtcdCluster",
     "EtcdServer",
     "EtcdServerTLS",
     "EtcdStore",

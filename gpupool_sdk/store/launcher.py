@@ -9,6 +9,9 @@ plaintext metrics listener on loopback (``--listen-metrics-urls``), which needs 
 Example:
     >>> with EtcdServer() as etcd:              # doctest: +SKIP
     ...     print(etcd.endpoint)                # 127.0.0.1:41234
+
+:class:`EtcdCluster` runs several members on loopback (``gpupool etcd --members 3``, the fault
+suite): one raft group whose members can be killed and restarted one by one.
 """
 
 from __future__ import annotations
@@ -213,6 +216,8 @@ class EtcdServer:
         die_with_parent: bool = True,
         tls: EtcdServerTLS | None = None,
         max_txn_ops: int | None = LAUNCHER_MAX_TXN_OPS,
+        initial_cluster: str | None = None,
+        cluster_token: str | None = None,
     ) -> None:
         for field, port in (("client_port", client_port), ("peer_port", peer_port)):
             if port is not None and not 0 < port < 65536:
@@ -220,6 +225,9 @@ class EtcdServer:
         if max_txn_ops is not None and max_txn_ops < 1:
             raise ConfigError("max_txn_ops", f"must be >= 1 (etcd's --max-txn-ops) or None for etcd's default, got {max_txn_ops}")
         self.max_txn_ops = max_txn_ops
+        #: ``--initial-cluster`` of a member of an :class:`EtcdCluster` (None: this member alone).
+        self.initial_cluster = initial_cluster
+        self.cluster_token = cluster_token
         self.name = name
         self.host = host
         self.extra_args = tuple(extra_args)
@@ -283,9 +291,9 @@ class EtcdServer:
             "--advertise-client-urls", client,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             "--initial-cluster-state", "new",
-            "--initial-cluster-token", f"gpupool-{self.name}",
+            "--initial-cluster-token", self.cluster_token or f"gpupool-{self.name}",
             "--logger", "zap",
             "--log-level", "warn",
             *(["--max-txn-ops", str(self.max_txn_ops)] if self.max_txn_ops is not None else []),
@@ -353,6 +361,10 @@ class EtcdServer:
         raise last
 
     def _spawn_and_wait(self, timeout: float) -> None:
+        self._spawn()
+        self._wait_healthy(timeout)
+
+    def _spawn(self) -> None:
         assert self.data_dir is not None
         # etcd's log goes to a file beside (not inside) the data dir: a pipe nobody reads would fill up.
         self._log_file = self.data_dir.with_name(self.data_dir.name + ".log")
@@ -364,6 +376,9 @@ class EtcdServer:
                 stderr=subprocess.STDOUT,
                 preexec_fn=_set_pdeathsig if (self.die_with_parent and sys.platform == "linux") else None,
             )
+
+    def _wait_healthy(self, timeout: float) -> None:
+        assert self._proc is not None
         deadline = time.monotonic() + timeout
         while True:
             rc = self._proc.poll()
@@ -437,3 +452,144 @@ class EtcdServer:
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.is_running() else "stopped"
         return f"EtcdServer(name={self.name!r}, endpoint={self.host}:{self.client_port}, {state})"
+
+
+class EtcdCluster:
+    """A real multi-member etcd on loopback: ``members`` processes forming one raft group.
+
+    For the fault suite and for operators who want to see fail-over on one machine
+    (``gpupool etcd --members 3``). Members keep their ports and data directories, so
+    :meth:`kill` followed by :meth:`start_member` brings the same member back.
+
+    Args:
+        members: how many members (an odd number, 1 to 7; 3 tolerates the loss of one).
+        data_root: directory holding each member's data dir (None: a temporary one, deleted by :meth:`stop`).
+        host: listen address.
+        base_port: first client port; member ``i`` uses ``base_port + 2i`` (client) and
+            ``base_port + 2i + 1`` (peer). None: free ports.
+        max_txn_ops: etcd's ``--max-txn-ops`` (see :class:`EtcdServer`).
+        extra_args: more etcd flags for every member.
+
+    Raises:
+        ConfigError: ``members`` is not an odd number from 1 to 7.
+
+    Example:
+        >>> with EtcdCluster(3) as cluster:          # doctest: +SKIP
+        ...     store = EtcdStore(cluster.endpoints)  # fails over between the members
+        ...     cluster.kill(cluster.leader_index())  # the others elect a new raft leader
+    """
+
+    def __init__(
+        self,
+        members: int = 3,
+        data_root: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1",
+        base_port: int | None = None,
+        max_txn_ops: int | None = LAUNCHER_MAX_TXN_OPS,
+        extra_args: Sequence[str] = (),
+        name: str = "gpupool",
+    ) -> None:
+        if isinstance(members, bool) or not isinstance(members, int) or not 1 <= members <= 7 or members % 2 == 0:
+            raise ConfigError("members", f"must be an odd number from 1 to 7 (a raft group needs a majority), got {members!r}")
+        self._own_root = data_root is None
+        self.data_root = Path(data_root) if data_root is not None else Path(tempfile.mkdtemp(prefix="gpupool-etcd-cluster-"))
+        ports: list[tuple[int, int]] = []
+        taken: set[int] = set()
+        for i in range(members):
+            if base_port is not None:
+                ports.append((base_port + 2 * i, base_port + 2 * i + 1))
+                continue
+            pair: list[int] = []
+            while len(pair) < 2:
+                p = free_port(host)
+                if p not in taken:
+                    taken.add(p)
+                    pair.append(p)
+            ports.append((pair[0], pair[1]))
+        names = [f"{name}-{i}" for i in range(members)]
+        initial = ",".join(f"{n}=http://{host}:{peer}" for n, (_, peer) in zip(names, ports, strict=True))
+        token = f"{name}-cluster-{os.getpid()}-{int(time.time())}"
+        self.members = [
+            EtcdServer(
+                data_dir=self.data_root / n, client_port=c, peer_port=pp, name=n, host=host, extra_args=extra_args,
+                max_txn_ops=max_txn_ops, initial_cluster=initial, cluster_token=token,
+            )
+            for n, (c, pp) in zip(names, ports, strict=True)
+        ]
+
+    @property
+    def endpoints(self) -> str:
+        """Every member's ``host:port``, comma-separated (what ``--endpoints`` / ``GPUPOOL_ENDPOINTS`` take)."""
+        return ",".join(f"{m.host}:{m.client_port}" for m in self.members)
+
+    def start(self, timeout: float = 60.0) -> EtcdCluster:
+        """Start every member and wait until each is healthy (raft needs a majority up to elect).
+
+        Raises:
+            EtcdNotFoundError: no etcd binary.
+            EtcdStartError: a member exited or stayed unhealthy; the message holds its log tail.
+        """
+        binary = find_etcd_binary()
+        for m in self.members:
+            if m.is_running():
+                continue
+            m._binary = binary
+            assert m.data_dir is not None
+            m.data_dir.mkdir(parents=True, exist_ok=True)
+            m._spawn()  # all at once: none is healthy before a majority runs
+        for m in self.members:
+            m._wait_healthy(timeout)
+        return self
+
+    def start_member(self, i: int, timeout: float = 60.0) -> None:
+        """(Re)start member ``i`` on its data dir and wait until it is healthy."""
+        m = self.members[i]
+        if m.is_running():
+            return
+        m._binary = find_etcd_binary()
+        m._spawn()
+        m._wait_healthy(timeout)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL member ``i`` (its data dir and ports are kept)."""
+        self.members[i].kill()
+
+    def signal(self, i: int, signum: int) -> None:
+        """Send ``signum`` to member ``i`` (``SIGSTOP`` / ``SIGCONT`` to freeze it)."""
+        pid = self.members[i].pid
+        if pid is not None:
+            os.kill(pid, signum)
+
+    def leader_index(self, timeout: float = 1.0) -> int | None:
+        """Index of the member that is the raft leader now (from etcd's ``/metrics``), None if none answers so."""
+        for i, m in enumerate(self.members):
+            if not m.is_running():
+                continue
+            try:
+                with urllib.request.urlopen(f"http://{m.host}:{m.client_port}/metrics", timeout=timeout) as resp:
+                    text = resp.read().decode(errors="replace")
+            except (OSError, urllib.error.URLError):
+                continue
+            for line in text.splitlines():
+                if line.startswith("etcd_server_is_leader "):
+                    if float(line.split()[1]) == 1.0:
+                        return i
+                    break
+        return None
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every member; a temporary data root is deleted."""
+        for m in self.members:
+            m.stop(grace)
+        if self._own_root:
+            shutil.rmtree(self.data_root, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        up = sum(m.is_running() for m in self.members)
+        return f"EtcdCluster({len(self.members)} members, {up} running, endpoints={self.endpoints!r})"
