@@ -26,7 +26,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHES = ("bench_scheduler", "bench_grant_latency", "bench_callback", "bench_allocator", "bench_simulator")
+BENCHES = ("bench_scheduler", "bench_grant_latency", "bench_callback", "bench_allocator", "bench_simulator", "bench_timeslice")
 
 
 def _load(name: str) -> Any:
