@@ -42,6 +42,7 @@ from gpupool_sdk.scheduler.preempt import (
     Plan,
     VictimIndex,
     balloon_bound,
+    balloon_reason,
     balloon_targets,
     kept_after_shrink,
     las_bound,
@@ -440,7 +441,7 @@ class Scheduler:
                 Balloon(
                     name,
                     target,
-                    f"shrink to predicted peak {format_size(target)} per slice to make room for {view.name}",
+                    f"{balloon_reason(jobs[name], target, cyc.config)} to make room for {view.name}",
                     deadline=now + cyc.config.balloon_grace_s,
                     for_job=view.name,
                 )
@@ -662,9 +663,12 @@ class Scheduler:
             if all(a.memory_bytes >= full for a in view.allocations):
                 continue
             old = ledger.set_quota(name, full, predicted_peak(view, full, config))
+            # Next to a guaranteed reservation shared quotas count in full (the rule that made the
+            # balloon necessary): deflating past it would undo the balloon right after the grant.
             ok = all(
                 load.shared_quota + load.reserved <= config.overcommit_ratio * load.phys
                 and load.shared_peak + load.reserved <= load.phys
+                and (not load.reserved or load.shared_quota + load.reserved <= load.phys)
                 for load in (ledger.loads[h.gpu] for h in old)
             )
             if ok:

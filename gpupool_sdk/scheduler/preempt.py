@@ -4,7 +4,8 @@ Four tools, tried in this order by the policy:
 
 1. :func:`plan_from_freeing`: capacity already being freed for the job (victims still
    checkpointing, shrinks and balloons in flight) is enough: wait, preempt nobody else.
-2. :func:`plan_balloon`: shrinking shared jobs to their predicted peak frees enough memory.
+2. :func:`plan_balloon`: shrinking shared jobs to their predicted peak, never below their
+   :func:`balloon_floor`, frees enough memory.
 3. :func:`plan_shrink`: elastic victims giving up some of their GPUs (down to ``min_gpus``) make
    enough room; preferred to 4 when its victims are no more protected (a shrink costs the victim a
    checkpoint and a restart on fewer GPUs, not its place: it keeps running).
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from gpupool_sdk.resources import JobState, QoS
+from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import GpuLoad, SliceRequest, fits, predicted_peak
 from gpupool_sdk.scheduler.ledger import Holding, Ledger
 from gpupool_sdk.scheduler.ordering import effective_priority, las_level, las_rank
@@ -673,8 +675,43 @@ def _prune(ledger: Ledger, req: SliceRequest, removed: list[tuple[str, list[Hold
     return still
 
 
+def balloon_floor(memory_bytes: int, config: SchedulerConfig) -> int:
+    """The smallest per-slice quota a balloon may leave a shared job that declared ``memory_bytes``.
+
+    ``max(memory_bytes x balloon_floor_fraction, balloon_floor_bytes)``, at most ``memory_bytes``
+    (a job that declared less than the absolute floor is never ballooned).
+
+    Example:
+        >>> from gpupool_sdk.resources import GiB, MiB
+        >>> balloon_floor(30 * GiB, SchedulerConfig()) == 15 * GiB, balloon_floor(300 * MiB, SchedulerConfig()) == 256 * MiB
+        (True, True)
+    """
+    floor = max(math.ceil(memory_bytes * config.balloon_floor_fraction), config.balloon_floor_bytes)
+    return min(memory_bytes, floor)
+
+
+def balloon_target(view: JobView, quota: int, config: SchedulerConfig) -> int:
+    """Per-slice quota a balloon asks of shared ``view`` holding ``quota`` per slice: its predicted
+    peak, never below its :func:`balloon_floor` (a target >= ``quota`` means it cannot shrink)."""
+    return max(predicted_peak(view, quota, config), balloon_floor(view.spec.memory_bytes, config))
+
+
+def balloon_reason(view: JobView, target: int, config: SchedulerConfig) -> str:
+    """What a balloon to ``target`` per slice asks, for the directive's reason: the predicted peak,
+    or the floor when the predicted peak is below it (the peak is then named too)."""
+    quota = max((a.memory_bytes for a in view.allocations), default=view.spec.memory_bytes)
+    peak = predicted_peak(view, quota, config)
+    if peak >= target:
+        return f"shrink to predicted peak {format_size(target)} per slice"
+    return (
+        f"shrink to the balloon floor {format_size(target)} per slice (predicted peak {format_size(peak)}; "
+        f"a balloon keeps at least {config.balloon_floor_fraction:g} of the {format_size(view.spec.memory_bytes)} "
+        f"declared and at least {format_size(config.balloon_floor_bytes)})"
+    )
+
+
 def balloon_targets(views: Iterable[JobView], priority: float, config: SchedulerConfig, busy: Iterable[str] = ()) -> dict[str, int]:
-    """Shared GRANTED jobs that could shrink, with their target (predicted peak) per slice."""
+    """Shared GRANTED jobs that could shrink, with their target per slice (:func:`balloon_target`)."""
     busy_set = set(busy)
     out: dict[str, int] = {}
     for v in views:
@@ -683,7 +720,7 @@ def balloon_targets(views: Iterable[JobView], priority: float, config: Scheduler
         if v.name in busy_set or not v.allocations or v.spec.priority > priority:
             continue
         quota = max(a.memory_bytes for a in v.allocations)
-        target = predicted_peak(v, quota, config)
+        target = balloon_target(v, quota, config)
         if target < quota:
             out[v.name] = target
     return out

@@ -34,6 +34,14 @@ class SchedulerConfig:
         max_wait_s: a job that has waited this long is treated as top priority among pending jobs.
         preempt_grace_s: default time to checkpoint and ack a preempt directive.
         balloon_grace_s: time to ack a balloon directive before the coordinator preempts instead.
+        balloon_floor_fraction: a balloon never shrinks a shared job's per-slice quota below this
+            fraction of the memory it declared (``spec.memory``), whatever its reported peak: a
+            peak can be wrong (on the CPU a job reports a few hundred bytes), and a job shrunk
+            below what it can train in is not running, only holding a slot. When the floor does
+            not free enough the pending job preempts instead (if it may). 0.5: a balloon takes
+            at most half (trimmed caches and offloaded optimizer state are about that much).
+        balloon_floor_bytes: nor below this many bytes per slice (256 MiB); a job that declared
+            less is never ballooned.
         allow_preemption: False turns preemption off (jobs only queue).
         max_decisions: bound on grants + preemptions per cycle, to keep cycles short.
         las_threshold_gpu_s: optional least-attained-service queues (Tiresias-like): ascending
@@ -79,6 +87,8 @@ class SchedulerConfig:
     max_wait_s: float = 3600.0
     preempt_grace_s: float = 60.0
     balloon_grace_s: float = 30.0
+    balloon_floor_fraction: float = 0.5
+    balloon_floor_bytes: int = 256 << 20  # 256 MiB
     allow_preemption: bool = True
     max_decisions: int = 256
     las_threshold_gpu_s: tuple[float, ...] = ()
@@ -112,6 +122,17 @@ class SchedulerConfig:
             raise ConfigError("overcommit_ratio", f"must be >= 1.0 (1.0 = no overcommit), got {self.overcommit_ratio}")
         if not 0.0 <= self.peak_margin <= 10.0:
             raise ConfigError("peak_margin", f"must be in [0, 10], got {self.peak_margin}")
+        if not 0.0 <= self.balloon_floor_fraction <= 1.0:  # NaN fails too
+            raise ConfigError(
+                "balloon_floor_fraction",
+                f"must be a fraction in [0, 1] of a job's declared memory (1 = never balloon), "
+                f"got {self.balloon_floor_fraction}",
+            )
+        floor_bytes = self.balloon_floor_bytes
+        if isinstance(floor_bytes, bool) or not isinstance(floor_bytes, int) or floor_bytes < 0:
+            raise ConfigError(
+                "balloon_floor_bytes", f"must be a whole number of bytes >= 0 (268435456 = 256 MiB), got {floor_bytes!r}"
+            )
         for name in ("min_runtime_s", "aging_s_per_priority", "max_wait_s", "preempt_grace_s", "balloon_grace_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0 seconds, got {getattr(self, name)}")

@@ -174,7 +174,8 @@ def test_does_not_preempt_again_while_freeing() -> None:
 def test_balloon_before_preempt_for_guaranteed_job() -> None:
     pool = gpus("a:1xH100-80GB:nvlink")
     (gpu,) = pool.values()
-    cfg = SchedulerConfig(overcommit_ratio=1.5, peak_margin=0.0)
+    # The floor below the peak (a quarter of 40GiB): the balloon goes to the measured peak.
+    cfg = SchedulerConfig(overcommit_ratio=1.5, peak_margin=0.0, balloon_floor_fraction=0.25)
     shared = [
         replace(running(job(f"s{i}", memory="40GiB", qos="shared", peak=15 * GiB), [gpu]), granted_at=0.0)
         for i in range(2)
