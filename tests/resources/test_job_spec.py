@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from gpupool_sdk.errors import ConfigError, SpecError
@@ -88,7 +90,7 @@ def test_constructor_argument_mistakes_are_spec_errors_not_type_errors():
     with pytest.raises(SpecError, match=r"^name: given twice"):
         JobSpec("a", name="b", memory="1GiB")  # type: ignore[misc]
     with pytest.raises(SpecError, match="positional arguments"):
-        JobSpec(*(["a"] + [None] * 15))  # type: ignore[misc]
+        JobSpec(*(["a"] + [None] * len(dataclasses.fields(JobSpec))))  # type: ignore[misc]
     assert JobSpec("a", 2, "1GiB").gpus == 2  # positional arguments still work
 
 
