@@ -95,10 +95,19 @@ def process_alive(pid: int, start_ticks: int | None) -> bool:
         return False
     except PermissionError:
         return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return True  # no /proc: the signal test above is all there is
+    if fields and fields[0] in (b"Z", b"X"):
+        return False  # exited, not yet reaped by its parent
     if start_ticks is None:
         return True
-    now = process_start_ticks(pid)
-    return now is None or now == start_ticks
+    try:
+        return int(fields[19]) == start_ticks
+    except (ValueError, IndexError):
+        return True
 
 
 class Conn(Protocol):
