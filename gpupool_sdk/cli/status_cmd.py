@@ -68,6 +68,20 @@ def _why(body: Any) -> str:
     return f" ({reason})" if reason else ""
 
 
+def orphan_allocations(state: PoolState) -> list[dict[str, Any]]:
+    """Allocations that belong to no live job (issue 12): counted as used until the leader deletes them.
+
+    Each names the key and why it is an orphan (no lease, no live spec, an earlier incarnation's
+    lease); the same keys are listed under ``problems`` with every key the coordinator ignores.
+    """
+    return [
+        {"job": o.allocation.job, "node": o.allocation.node, "gpu_uuid": o.allocation.gpu_uuid,
+         "memory_bytes": o.allocation.memory_bytes, "key": o.key, "lease": f"{o.lease:x}", "reason": o.reason}
+        for o in state.orphans
+        if o.allocation is not None
+    ]
+
+
 def status_dict(state: PoolState) -> dict[str, Any]:
     """The pool as a JSON-ready mapping (what ``-o json`` prints)."""
     snap = state.snapshot
@@ -144,11 +158,7 @@ def status_dict(state: PoolState) -> dict[str, Any]:
             (j for j in jobs if j["state"] == JobState.PENDING.value), key=lambda j: (-j["priority"], j["queued_at"])
         )
     ]
-    orphans = [
-        {"job": a.job, "node": a.node, "gpu_uuid": a.gpu_uuid}
-        for a in state.allocations
-        if a.job not in snap.jobs
-    ]
+    orphans = orphan_allocations(state)
     return {
         "revision": state.revision,
         "leader": state.leader.to_dict() if state.leader else None,
