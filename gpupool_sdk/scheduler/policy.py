@@ -34,6 +34,7 @@ from gpupool_sdk.resources import DirectiveKind, JobState, QoS
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import SliceRequest, fits, predicted_peak, request_for, unschedulable_reason
 from gpupool_sdk.scheduler.health import health_preemptions
+from gpupool_sdk.scheduler.horizon import running_horizon
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.locality import broken_gangs, gang_problem, node_wait_reason
 from gpupool_sdk.scheduler.ordering import effective_priority, las_rank, order_pending, waited_s
@@ -190,6 +191,8 @@ class _Cycle:
     #: queued jobs not considered in full (cut by ``max_decisions`` or ``max_preemption_attempts``):
     #: they might have used free capacity or made a plan, so nothing grows this cycle.
     deferred: int = 0
+    #: the first instant a pending job considered this cycle reaches ``reserve_after_s`` (see :mod:`.horizon`).
+    until: float = math.inf
 
 
 class Scheduler:
@@ -321,7 +324,8 @@ class Scheduler:
         if config.resize_up and cyc.deferred == 0:
             self._grow_fresh(cyc)
             self._resize_up(cyc)
-        return ScheduleResult(tuple(cyc.decisions), considered=considered)
+        valid_until = min(cyc.until, running_horizon(snapshot, config))
+        return ScheduleResult(tuple(cyc.decisions), considered=considered, valid_until=valid_until)
 
     # ------------------------------------------------------------------ one pending job
 
@@ -377,12 +381,16 @@ class Scheduler:
         cyc.fail_cache[shape] = (ledger.frees, reason)
 
         # 4. Reserve GPUs for a job blocked for long: lower jobs only backfill elsewhere.
-        if cyc.reservations < config.max_reservations and waited_s(view, now) >= config.reserve_after_s:
-            hold = self._reservation(cyc, view, req, prio)
-            if hold:
-                ledger.block(hold, view.name)
-                cyc.reservations += 1
-                reason += f"; {_count(len(hold), 'GPU')} reserved for it (others backfill elsewhere)"
+        if cyc.reservations < config.max_reservations:
+            waited = waited_s(view, now)
+            if waited >= config.reserve_after_s:
+                hold = self._reservation(cyc, view, req, prio)
+                if hold:
+                    ledger.block(hold, view.name)
+                    cyc.reservations += 1
+                    reason += f"; {_count(len(hold), 'GPU')} reserved for it (others backfill elsewhere)"
+            else:
+                cyc.until = min(cyc.until, now + config.reserve_after_s - waited)
         self._queue(cyc, view, reason)
 
     def _pinned(self, cyc: _Cycle, req: SliceRequest, keep: list[int]) -> list[int] | None:

@@ -352,7 +352,16 @@ Decision = Grant | Queue | Reject | Preempt | Resize | Balloon | Deflate | Relea
 
 @dataclass(frozen=True)
 class ScheduleResult:
-    """Decisions of one cycle plus counters for metrics."""
+    """Decisions of one cycle plus counters for metrics.
+
+    Attributes:
+        decisions: the cycle's decisions, in the order to apply them.
+        considered: pending jobs considered in full.
+        valid_until: with the snapshot unchanged but for ``now``, a cycle before this instant
+            decides the same (:mod:`gpupool_sdk.scheduler.horizon`); ``now`` when the order moves
+            with time (aging, ``max_wait_s``, promotion), ``math.inf`` when nothing is timed.
+    """
 
     decisions: tuple[Decision, ...] = field(default_factory=tuple)
     considered: int = 0
+    valid_until: float = math.inf

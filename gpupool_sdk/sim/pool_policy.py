@@ -49,7 +49,7 @@ from gpupool_sdk.resources import (
     JobState,
     QoS,
 )
-from gpupool_sdk.scheduler.ordering import order_pending, static_key
+from gpupool_sdk.scheduler.ordering import las_queue, order_pending, static_key
 from gpupool_sdk.scheduler.policy import Scheduler
 from gpupool_sdk.scheduler.types import ClusterSnapshot, Decision, JobView, SchedulerConfig
 from gpupool_sdk.sim.engine import DONE, PENDING, PREEMPTING, REJECTED, RUNNING, SimJob, Simulator
@@ -202,6 +202,11 @@ class PoolPolicy:
             Jobs further back could only have backfilled; ``docs/simulation.md`` measures the effect.
         estimates: how jobs report their remaining time (``JobView.remaining_s``; see
             :mod:`gpupool_sdk.sim.estimates`); default :class:`EstimateModel` (None there: the default).
+        skip_unchanged: skip a cycle (decide nothing) when nothing changed since the last one but
+            the clock, before that cycle's ``ScheduleResult.valid_until``, and no running job's
+            refreshed view moved to another LAS queue: such a cycle would decide exactly what the
+            last one did, all of which was applied (``tests/sim/test_engine.py`` checks the results
+            are identical with it off). The coordinator's time-driven cycles could do the same.
 
     Example:
         >>> PoolPolicy(SchedulerConfig(overcommit_ratio=1.5)).name
@@ -217,6 +222,7 @@ class PoolPolicy:
         mapping: PoolMapping | None = None,
         max_pending_in_snapshot: int | None = None,
         estimates: EstimateModel | None = None,
+        skip_unchanged: bool = True,
     ) -> None:
         if max_pending_in_snapshot is not None and max_pending_in_snapshot < 1:
             raise ConfigError("max_pending_in_snapshot", f"must be >= 1 or None, got {max_pending_in_snapshot}")
@@ -249,6 +255,11 @@ class PoolPolicy:
         #: the snapshot changed since the last cycle (a cycle on the same snapshot decides the same).
         self._dirty = True
         self.cycles = 0
+        self.skip_unchanged = skip_unchanged
+        #: ``valid_until`` of the last cycle run (see ``skip_unchanged``).
+        self._valid_until = -math.inf
+        #: cycles skipped (nothing but the clock changed, before ``valid_until``).
+        self.skipped = 0
 
     # ------------------------------------------------------------------ specs
 
@@ -389,15 +400,22 @@ class PoolPolicy:
             # Nothing waits, no directive is in flight, and no elastic job could grow into capacity
             # freed since the last cycle: a cycle would decide nothing.
             return []
+        changed = self._dirty
         self._dirty = False
         now = sim.now
         if self.config.las_threshold_gpu_s:
             stale = now - self.sim.config.view_refresh_s
             for name, job in sim.running.items():
                 if self._built_at.get(name, now) < stale:
+                    old = self._views[name]
                     self._views[name] = self._view(job)
                     self._built_at[name] = now
                     self._granted_views[name] = self._views[name]
+                    if las_queue(old, self.config) != las_queue(self._views[name], self.config):
+                        changed = True
+        if self.skip_unchanged and not changed and now < self._valid_until:
+            self.skipped += 1
+            return []
         self.cycles += 1
         jobs: Mapping[str, JobView] = self._views
         if self.max_pending is not None and len(sim.pending) > self.max_pending:
@@ -410,7 +428,9 @@ class PoolPolicy:
             for name in head:
                 jobs[name] = self._views[name]
         snapshot = ClusterSnapshot(now=now, gpus=self._gpus, jobs=jobs)
-        return self.scheduler.schedule(snapshot)
+        result = self.scheduler.run(snapshot)
+        self._valid_until = result.valid_until
+        return list(result.decisions)
 
     def follow_up(self, sim: Simulator) -> bool:
         """Another cycle at this instant? Only when nothing waits and an elastic job granted below
