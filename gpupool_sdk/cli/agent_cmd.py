@@ -1,5 +1,11 @@
 """``gpupool agent``: publish this machine's GPUs (or simulated ones) to the pool.
 
+The agent writes ``agent-<pid>.json`` naming its node(s) into the runtime directory
+(``$GPUPOOL_RUNTIME_DIR``, else ``/run/gpupool``, ``$XDG_RUNTIME_DIR/gpupool`` or
+``/tmp/gpupool-$UID``; see :mod:`gpupool_sdk.client.node`) and removes it when it stops: training
+processes on this machine lease this node's GPUs only. With several (simulated) nodes in one
+agent, each process says which it is on with ``GPUPOOL_NODE``.
+
 One process can publish several simulated nodes (``--simulate "a:4xH100,b:8xA100-40GB:pcie"``);
 each node gets its own etcd lease, so the nodes appear and vanish independently, and a SIGTERM
 revokes every lease: all the process's GPUs vanish at once. SIGKILL leaves them to expire with
@@ -14,12 +20,14 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import click
 
 from gpupool_sdk.agent.agent import NodeAgent, run_agents
 from gpupool_sdk.agent.signals import install_stop_handlers
 from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option, resolve_endpoints
+from gpupool_sdk.client.node import remove_agent_file, write_agent_file
 from gpupool_sdk.config import KEEPALIVE_ENV, LEASE_TTL_ENV, RETRY_TIMEOUT_ENV, LeaseTiming
 from gpupool_sdk.errors import ConfigError, SpecError
 from gpupool_sdk.inventory.base import InventoryBackend, simulated_backends
@@ -164,7 +172,14 @@ def agent(
     wake = threading.Event()
     restore = install_stop_handlers(stop, wake)
 
+    node_file: list[Path] = []
+
     def started(agents: Sequence[NodeAgent]) -> None:
+        # Node-local leasing: clients on this machine read which node(s) they run on from here.
+        try:
+            node_file.append(write_agent_file([a.node for a in agents], store.keys.prefix))
+        except (OSError, ConfigError) as exc:
+            click.echo(f"agent: could not write the node file ({exc}); clients here need GPUPOOL_NODE", err=True)
         click.echo(
             f"agent: {len(agents)} node(s) published ({', '.join(a.node for a in agents[:8])}"
             f"{', ...' if len(agents) > 8 else ''}) on {store.endpoint} prefix {store.keys.prefix}, "
@@ -187,6 +202,8 @@ def agent(
             click.echo(f"agent: metrics on http://{metrics_addr}:{metrics.port}/metrics", err=True)
         run_agents(agents, stop, wake=wake, on_started=started)
     finally:
+        for f in node_file:
+            remove_agent_file(f)
         if metrics is not None:
             metrics.close()
         restore()

@@ -13,7 +13,9 @@ the lease ids of one consistent read:
 * ``nodes/{node}`` must be on a lease (its agent's);
 * ``gpus/{node}/{uuid}`` must be on the same lease as ``nodes/{node}``, which must be present;
   memory above :data:`MAX_GPU_MEMORY_BYTES` is refused as implausible;
-* ``jobs/{job}/spec`` must be on a lease that is not an agent's or the leader's.
+* ``jobs/{job}/spec`` must be on a lease that is not an agent's or the leader's;
+* ``jobs/{job}/members/{node}`` (a gang member) likewise; a member of a job with no live spec
+  is simply waiting for the spec (node rank 0 writes it) and is not a problem.
 
 Anything else is a :class:`Problem` (logged once per key and revision), never granted and never
 counted as capacity. Allocations are a different matter: *every* allocation in etcd takes
@@ -35,6 +37,7 @@ from gpupool_sdk.resources import (
     Ack,
     Allocation,
     Directive,
+    GangMember,
     GpuInfo,
     JobSpec,
     JobState,
@@ -247,6 +250,7 @@ def build_state(
     draining: set[str] = set()
     spec_kvs: list[tuple[JobSpec, KeyValue]] = []
     status_kvs: dict[str, tuple[JobStatus, KeyValue]] = {}
+    member_kvs: list[tuple[GangMember, KeyValue]] = []
     alloc_kvs: list[tuple[Allocation, KeyValue]] = []
     directive_kvs: dict[str, tuple[Directive, KeyValue]] = {}
     acks: dict[str, Ack] = {}
@@ -305,6 +309,11 @@ def build_state(
                 if spec.name != parts[0]:
                     raise SchemaError(kv.key, f"spec names job {spec.name!r}, not {parts[0]!r}")
                 spec_kvs.append((spec, kv))
+            elif kind == "jobs.member":
+                m = parse(kv, GangMember)
+                if (m.job, m.node) != parts:
+                    raise SchemaError(kv.key, f"names member {m.job}/{m.node}, not the one in its key")
+                member_kvs.append((m, kv))
             elif kind == "jobs.status":
                 status_kvs[parts[0]] = (parse(kv, JobStatus), kv)
             elif kind == "allocations":
@@ -372,6 +381,15 @@ def build_state(
                 kv.mod_revision)
         else:
             specs[spec.name] = (spec, kv)
+
+    # Gang members: each on a lease of its own (the member process's), never an agent's or the leader's.
+    members_by_job: dict[str, list[GangMember]] = {}
+    for m, kv in member_kvs:
+        if not kv.lease or kv.lease in agent_leases or (leader_lease and kv.lease == leader_lease):
+            bad(kv.key, "a gang member must be written on its own process's etcd lease (PoolClient.join does this); "
+                "ignored", kv.mod_revision)
+        else:
+            members_by_job.setdefault(m.job, []).append(m)
 
     # Leader-owned job keys belong to the live spec of their job, on its lease; the rest are orphans.
     orphans: list[Orphan] = []
@@ -452,6 +470,7 @@ def build_state(
             memory_peak_bytes=_peak_from_telemetry(telemetry.get(name)),
             order=kv.create_revision,
             remaining_s=_remaining_from_telemetry(telemetry.get(name)),
+            members=tuple(sorted(members_by_job.get(name, ()), key=lambda m: (m.node_rank, m.node))),
         )
         metas[name] = JobMeta(
             name=name,
