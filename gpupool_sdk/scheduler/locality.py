@@ -14,7 +14,7 @@ leaves, the whole gang is released (no half-gang keeps a slice).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from gpupool_sdk.resources import JobState
@@ -90,13 +90,18 @@ def broken_gangs(snapshot: ClusterSnapshot, ledger: Ledger, skip: Collection[str
     return out
 
 
-def node_wait_reason(ledger: Ledger, req: SliceRequest, what: str) -> str:
+def node_wait_reason(
+    ledger: Ledger, req: SliceRequest, what: str, explain: Callable[[list[str]], str] | None = None
+) -> str:
     """The PENDING reason of a job restricted to ``req.nodes`` that could not be placed.
 
     Args:
         ledger: the cycle's ledger.
         req: the job's request (``req.nodes`` non-empty).
         what: the slice it needs, in words (``"GPU with 20GiB free and full compute"``).
+        explain: says why the given nodes (those of ``req.nodes`` with no schedulable GPU) take
+            no new slices, naming GPUs and reasons
+            (:func:`~gpupool_sdk.scheduler.health.unusable_gpus`); None: a generic hint.
     """
     mine = set(req.nodes)
     present = {ledger.nodes[i] for i in range(len(ledger)) if ledger.class_of(i) is not None}
@@ -114,6 +119,8 @@ def node_wait_reason(ledger: Ledger, req: SliceRequest, what: str) -> str:
     have = "1 other node has room" if others == 1 else f"{others} other nodes have room"
     head = f"queued: waiting for room on {word} {where} ({have})"
     if absent:
+        if explain is not None:
+            return f"{head}: {explain(absent)}"
         return f"{head}: {', '.join(absent)} publishes no schedulable GPU (agent not running, drained or cordoned?)"
     want = f"{req.per_node} per node" if req.per_node else (
         f"{req.min_count}-{req.count}" if req.min_count < req.count else str(req.count)

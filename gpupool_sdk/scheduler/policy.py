@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from gpupool_sdk.resources import DirectiveKind, JobState, QoS
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import SliceRequest, fits, predicted_peak, request_for, unschedulable_reason
-from gpupool_sdk.scheduler.health import health_preemptions
+from gpupool_sdk.scheduler.health import health_preemptions, unusable_gpus
 from gpupool_sdk.scheduler.horizon import running_horizon
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.locality import broken_gangs, gang_problem, node_wait_reason
@@ -618,7 +618,8 @@ class Scheduler:
     def _why(self, cyc: _Cycle, req: SliceRequest) -> str:
         matching = cyc.ledger.matching_count(req)
         if matching == 0:
-            return "queued: every matching GPU is unhealthy, cordoned or draining"
+            which = unusable_gpus(cyc.snapshot, req.features, req.gpu_model)
+            return f"queued: every matching GPU is unhealthy, cordoned or draining: {which}"
         if req.qos is QoS.EXCLUSIVE:
             what = "idle GPU" + (f" with >= {format_size(req.memory)}" if req.memory else "")
         elif req.qos is QoS.GUARANTEED:
@@ -628,7 +629,9 @@ class Scheduler:
         else:
             what = f"GPU with {format_size(req.memory)} shared quota free (predicted peak {format_size(req.peak)})"
         if req.nodes:
-            return node_wait_reason(cyc.ledger, req, what)
+            return node_wait_reason(
+                cyc.ledger, req, what, explain=lambda nodes: unusable_gpus(cyc.snapshot, req.features, req.gpu_model, nodes)
+            )
         if req.count == 1:
             return f"queued: no {what} among {matching} matching"
         layout = {"pack": "", "spread": " on distinct nodes", "any": ""}[req.topology]

@@ -53,7 +53,7 @@ def test_a_node_restricted_job_preempts_only_on_its_node() -> None:
 def test_a_job_on_an_unknown_node_waits_naming_it() -> None:
     d = only(run(snap(gpus(TWO), [job("x", memory="10GiB", node="node-z")])), "x")
     assert isinstance(d, Queue)
-    assert "node-z publishes no schedulable GPU" in d.reason
+    assert "node-z: no GPU published (is its agent running?)" in d.reason
     assert "(2 other nodes have room)" in d.reason
 
 
