@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_dir=args.checkpoint_dir,
         allocator="none",
         telemetry_interval_s=1.0,
+        # fit returns after a preemption so that this script can print its GPUPOOL_RESULT line for
+        # the tests; without it (the default) the process exits 75 right after the checkpoint.
+        exit_on_preempt=False,
     )
     torch.manual_seed(args.seed)
     model = TinyRegressor(args.seed, args.samples, args.batch_size, args.num_workers, args.step_sleep)

@@ -7,8 +7,19 @@ with 75 (preempted, checkpointed) or the lease is lost, the launcher releases wh
 queues again under the same job name and re-runs the script, which resumes from the job's last
 acknowledged checkpoint (``$GPUPOOL_RESUME_FROM``). Ctrl-C stops the script and releases everything.
 
-Exit code: the script's own (0 when it finished), 1 after ``--max-restarts`` preemptions,
-130 on Ctrl-C.
+Signals: SIGTERM, SIGINT or SIGUSR1 to the launcher (Kubernetes eviction, ``scancel``, Ctrl-C,
+Slurm's ``--signal``) are forwarded to the script's process group; the script checkpoints at its
+next step boundary and exits 75; the launcher waits up to ``--grace`` seconds (then SIGKILL),
+releases everything and exits 75 itself, so that the outer system (Slurm ``--requeue``, a
+Kubernetes ``restartPolicy: OnFailure`` Job) runs it again and it resumes.
+
+Crashes: a script that exits non-zero (or is killed by a signal, as the kernel's OOM killer
+does) is restarted from its newest checkpoint up to ``--max-restarts`` times with exponential
+backoff (torchrun's flag name). Preemptions (exit 75) do not count against that budget.
+
+Exit codes: the script's own when it finished (0); 75 when it was stopped by a signal and
+checkpointed (run it again to resume); the script's failing code (128+N for a signal N) once
+``--max-restarts`` is spent; 2 for bad flags; 3 when etcd is unreachable.
 """
 
 from __future__ import annotations
@@ -16,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,53 +43,101 @@ import click
 from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import JobSpec
-from gpupool_sdk.runtime.runtime import (
+from gpupool_sdk.runtime.env import (
     CKPT_DIR_ENV,
     DEVICES_ENV,
     EX_TEMPFAIL,
     JOB_ENV,
+    LEASE_ID_ENV,
     LEASED_ENV,
     RESUME_ENV,
     RUN_SOCKET_ENV,
-    _visible_devices,
     derive_job_name,
 )
 from gpupool_sdk.store.security import EtcdSecurity
 
+_PYTHONS = re.compile(r"^(python[0-9.]*|pypy[0-9.]*)$")
 
-def _script_of(command: tuple[str, ...]) -> str:
-    for arg in command:
+
+def job_name_of(command: tuple[str, ...] | list[str]) -> str | None:
+    """The job name a command implies: its script's file name, or ``-m``'s module; None for ``python -c``.
+
+    Example:
+        >>> job_name_of(["python", "-m", "my_pkg.train", "--lr", "3e-4"])
+        'train'
+    """
+    args = list(command)
+    for i, arg in enumerate(args):
         if arg.endswith(".py"):
-            return arg
-    return command[0]
+            return derive_job_name(None, argv0=arg)
+        if arg == "-m" and i + 1 < len(args):
+            return derive_job_name(None, argv0=args[i + 1].rsplit(".", 1)[-1])
+        if arg == "-c":
+            return None
+    head = os.path.basename(args[0]) if args else ""
+    if not head or _PYTHONS.match(head):
+        return None
+    return derive_job_name(None, argv0=head)
 
 
-def _stop_child(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def describe_exit(rc: int) -> str:
+    """``-9`` -> ``"killed by SIGKILL"``; ``3`` -> ``"exit code 3"``."""
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def shell_code(rc: int) -> int:
+    """The launcher's own exit code for a script's return code (``-N`` -> ``128+N``, as shells do)."""
+    return 128 - rc if rc < 0 else rc
+
+
+def _signal_group(proc: subprocess.Popen[Any], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
+
+
+def _stop_child(proc: subprocess.Popen[Any], grace_s: float = 30.0, signum: int = signal.SIGTERM) -> int:
+    """Signal the script's process group, wait ``grace_s``, then SIGKILL it. Returns its return code."""
+    if proc.poll() is None:
+        _signal_group(proc, signum)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+    # Whatever the script left behind in its group (DataLoader workers, ranks) goes with it.
+    _signal_group(proc, signal.SIGKILL)
+    return int(proc.returncode)
 
 
 @click.command(
     "run",
     context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False},
 )
-@click.option("--name", default=None, help="Job name (default: $GPUPOOL_JOB or the script's file name).")
+@click.option("--name", default=None, help="Job name (default: $GPUPOOL_JOB, the script's file name, or -m's module).")
 @click.option("--gpus", type=int, default=1, show_default=True, help="Slices wanted.")
-@click.option("--memory", default=None, help="Memory per slice, e.g. 20GiB (required unless --qos exclusive).")
+@click.option("--memory", default=None, help="Memory per slice, e.g. 20GiB or 20Gi (required unless --qos exclusive).")
 @click.option("--qos", type=click.Choice(["shared", "guaranteed", "exclusive"]), default="shared", show_default=True)
 @click.option("--priority", type=int, default=0, show_default=True)
 @click.option("--compute-share", type=float, default=1.0, show_default=True)
 @click.option("--feature", "features", multiple=True, help="Required GPU feature (repeatable): bf16, fp8, nvlink...")
 @click.option("--gpu-model", default=None, help="Restrict to one catalog model, e.g. H100-80GB.")
+@click.option("--preempt-grace", "preempt_grace_s", type=float, default=None,
+              help="Seconds the job gets to checkpoint after a preempt directive (JobSpec preempt_grace_s).")
+@click.option("--min-runtime", "min_runtime_s", type=float, default=None,
+              help="Seconds after a grant during which the job is not preempted (JobSpec min_runtime_s).")
 @click.option("--checkpoint-dir", default=None, help="Checkpoint directory passed to the script ($GPUPOOL_CHECKPOINT_DIR).")
 @click.option("--acquire-timeout", type=float, default=None, help="Seconds to wait in the queue per attempt.")
-@click.option("--max-restarts", type=int, default=100, show_default=True, help="Give up after this many preemptions.")
+@click.option("--max-restarts", type=int, default=3, show_default=True,
+              help="Restart a crashed script (non-zero exit, killed by a signal) this many times from its newest "
+                   "checkpoint, with backoff. Preemptions do not count.")
+@click.option("--max-preemptions", type=int, default=100, show_default=True, help="Give up after this many preemptions.")
+@click.option("--grace", "grace_s", type=float, default=30.0, show_default=True,
+              help="Seconds the script gets to checkpoint after the launcher forwards SIGTERM/SIGINT/SIGUSR1.")
 @endpoints_option
 @etcd_security_options
 @prefix_option
@@ -90,27 +151,46 @@ def run(
     compute_share: float,
     features: tuple[str, ...],
     gpu_model: str | None,
+    preempt_grace_s: float | None,
+    min_runtime_s: float | None,
     checkpoint_dir: str | None,
     acquire_timeout: float | None,
     max_restarts: int,
+    max_preemptions: int,
+    grace_s: float,
     endpoints: str | None,
     security: EtcdSecurity,
     prefix: str | None,
     command: tuple[str, ...],
 ) -> None:
-    """Queue a job, run COMMAND on the granted GPUs, and run it again after each preemption.
+    """Queue a job, run COMMAND on the granted GPUs, run it again after each preemption or crash.
+
+    The launcher holds the job's lease; the script's GpuPoolCallback/PoolSession attaches to it.
+    The launcher's flags are the job's spec: a script whose callback asks for different values
+    stops with an error naming both (drop them from one side).
 
     Example: gpupool run --memory 20GiB --priority 5 -- python examples/lightning_train.py --epochs 3
     """
     if memory is None and qos != "exclusive":
-        raise ConfigError("--memory", f"{qos} jobs must say how much memory per slice they need, e.g. --memory 20GiB")
-    if max_restarts < 0:
-        raise ConfigError("--max-restarts", f"must be >= 0, got {max_restarts}")
+        raise ConfigError("--memory", f"{qos} jobs must say how much memory per slice they need, e.g. --memory 20GiB "
+                          "(the launcher leases before the script starts, so it cannot read the script's callback)")
+    for flag, value in (("--max-restarts", max_restarts), ("--max-preemptions", max_preemptions)):
+        if value < 0:
+            raise ConfigError(flag, f"must be >= 0, got {value}")
+    if not (math.isfinite(grace_s) and grace_s > 0):
+        raise ConfigError("--grace", f"must be a positive number of seconds, got {grace_s}")
     if acquire_timeout is not None and not (math.isfinite(acquire_timeout) and acquire_timeout > 0):
         raise ConfigError(
             "--acquire-timeout", f"must be a positive number of seconds, got {acquire_timeout}; omit it to wait indefinitely"
         )
-    job = derive_job_name(name, argv0=_script_of(command))
+    job = name or os.environ.get(JOB_ENV) or job_name_of(command)
+    if not job:
+        raise ConfigError("--name", f"cannot name the job after `{shlex.join(command)}`; pass --name NAME")
+    extra: dict[str, Any] = {}
+    if preempt_grace_s is not None:
+        extra["preempt_grace_s"] = preempt_grace_s
+    if min_runtime_s is not None:
+        extra["min_runtime_s"] = min_runtime_s
     spec = JobSpec(
         name=job,
         gpus=gpus,
@@ -120,9 +200,15 @@ def run(
         compute_share=compute_share,
         features=tuple(features),
         gpu_model=gpu_model,
+        **extra,
     )
     sys.exit(run_job(spec, list(command), endpoints=endpoints, prefix=prefix, checkpoint_dir=checkpoint_dir,
-                     acquire_timeout=acquire_timeout, max_restarts=max_restarts, security=security))
+                     acquire_timeout=acquire_timeout, max_restarts=max_restarts, max_preemptions=max_preemptions,
+                     grace_s=grace_s, security=security))
+
+
+#: Signals the launcher forwards to the script's process group as "checkpoint and stop".
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def run_job(
@@ -132,14 +218,17 @@ def run_job(
     prefix: str | None = None,
     checkpoint_dir: str | None = None,
     acquire_timeout: float | None = None,
-    max_restarts: int = 100,
+    max_restarts: int = 3,
+    max_preemptions: int = 100,
+    grace_s: float = 30.0,
     echo: Any = None,
     security: EtcdSecurity | None = None,
+    backoff_s: float = 1.0,
 ) -> int:
-    """The loop behind ``gpupool run``: acquire, run, re-queue on exit 75 or lease loss.
+    """The loop behind ``gpupool run``: acquire, run, re-queue on exit 75 or lease loss, restart crashes.
 
     Returns:
-        The exit code for the launcher.
+        The exit code for the launcher (see the module docstring).
     """
     from gpupool_sdk.client import PoolClient
     from gpupool_sdk.runtime.run_channel import RunChannelServer
@@ -148,11 +237,30 @@ def run_job(
     client = PoolClient(endpoints=endpoints, prefix=prefix, security=security)
     sockdir = tempfile.mkdtemp(prefix="gpupool-run-")
     os.chmod(sockdir, 0o700)
-    restarts = 0
+    preemptions = crashes = 0
     lease: Any = None
     proc: subprocess.Popen[Any] | None = None
+    stop_signal: list[int] = []
+    previous: dict[signal.Signals, Any] = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # Forwarded to the script's group; the loop below waits for it to checkpoint.
+        first = not stop_signal
+        stop_signal.append(signum)
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc, signum)
+        if first:
+            say(f"{signal.Signals(signum).name}: asking the script to checkpoint (grace {grace_s:.0f}s)")
+
+    is_main = threading.current_thread() is threading.main_thread()
+    if is_main:
+        for signum in FORWARDED:
+            previous[signum] = signal.signal(signum, on_signal)
     try:
         while True:
+            if stop_signal:
+                say("stopped by a signal before the script ran; nothing to checkpoint")
+                return EX_TEMPFAIL
             say(f"queueing {spec.name}: {spec.describe()}")
             began = time.monotonic()
             lease = client.acquire(
@@ -160,15 +268,17 @@ def run_job(
             )
             ck = client.resume_info(spec.name)
             resume = ck.path if ck is not None and ck.path and Path(ck.path).exists() else None
-            devices = _visible_devices(lease)
+            devices = lease.device_indices()
             say(
-                f"granted after {time.monotonic() - began:.1f}s: devices {','.join(devices) or '-'}"
-                + (f", resuming from {resume}" if resume else "")
+                f"granted after {time.monotonic() - began:.1f}s: devices {','.join(devices) or '-'}, lease "
+                f"{lease.etcd_lease_hex} (etcdctl lease timetolive {lease.etcd_lease_hex} --keys)"
+                + (f", pool checkpoint {resume}" if resume else "")
             )
-            sock = os.path.join(sockdir, f"run-{restarts}.sock")
-            server = RunChannelServer(lease, sock, resume)
+            sock = os.path.join(sockdir, f"run-{preemptions + crashes}.sock")
+            server = RunChannelServer(lease, sock, resume, spec=spec)
             env = dict(os.environ)
-            env.update({JOB_ENV: spec.name, RUN_SOCKET_ENV: sock, LEASED_ENV: "1", DEVICES_ENV: str(len(devices) or spec.gpus)})
+            env.update({JOB_ENV: spec.name, RUN_SOCKET_ENV: sock, LEASED_ENV: "1",
+                        DEVICES_ENV: str(len(devices) or spec.gpus), LEASE_ID_ENV: lease.etcd_lease_hex})
             if devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
             if endpoints:
@@ -182,35 +292,52 @@ def run_job(
             else:
                 env.pop(RESUME_ENV, None)
             say(f"running: {shlex.join(command)}")
-            proc = subprocess.Popen(command, env=env)
-            rc = proc.wait()
+            # Its own process group: signals reach the script and its workers, not the launcher twice.
+            proc = subprocess.Popen(command, env=env, start_new_session=True)
+            rc = _wait(proc, stop_signal, grace_s)
             proc = None
             server.close()
-            lost = bool(getattr(lease, "lost", False))
+            lost = bool(lease.lost)
+            if stop_signal:
+                if not lost and rc == EX_TEMPFAIL:
+                    lease.wait_released(timeout=5.0)
+                lease.release()
+                lease = None
+                if rc == EX_TEMPFAIL:
+                    say(f"stopped by {signal.Signals(stop_signal[0]).name}: checkpointed; exit {EX_TEMPFAIL} "
+                        "(run again to resume)")
+                    return EX_TEMPFAIL
+                say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script ended with {describe_exit(rc)} "
+                    "without a checkpoint")
+                return shell_code(rc) or 1
             if rc == EX_TEMPFAIL or (rc != 0 and lost):
-                why = "preempted" if rc == EX_TEMPFAIL else f"lease lost ({getattr(lease, 'lost_reason', '')})"
+                why = "preempted" if rc == EX_TEMPFAIL else f"lease lost ({lease.lost_reason})"
                 if not lost:
                     lease.wait_released(timeout=30.0)
                 lease.release()
                 lease = None
-                restarts += 1
-                if restarts > max_restarts:
-                    say(f"{why}; giving up after {max_restarts} restarts")
+                preemptions += 1
+                if preemptions > max_preemptions:
+                    say(f"{why}; giving up after {max_preemptions} preemptions")
                     return 1
-                say(f"{why}; queueing again (restart {restarts})")
+                say(f"{why}; queueing again (preemption {preemptions})")
                 continue
             lease.release()
             lease = None
-            say(f"finished with exit code {rc}")
-            return rc
-    except KeyboardInterrupt:
-        say("interrupted: stopping the script and releasing the lease")
-        if proc is not None:
-            _stop_child(proc)
-        return 130
+            if rc == 0:
+                say("finished with exit code 0")
+                return 0
+            crashes += 1
+            if crashes > max_restarts:
+                say(f"failed: {describe_exit(rc)}; --max-restarts {max_restarts} spent")
+                _record_failure(client, spec.name, rc, crashes)
+                return shell_code(rc)
+            delay = min(60.0, backoff_s * 2 ** (crashes - 1))
+            say(f"crashed ({describe_exit(rc)}); restart {crashes}/{max_restarts} in {delay:.0f}s from the newest checkpoint")
+            time.sleep(delay)
     finally:
         if proc is not None:
-            _stop_child(proc)
+            _stop_child(proc, grace_s)
         if lease is not None:
             # Best effort; the client's helper process revokes the lease on exit anyway.
             with contextlib.suppress(Exception):
@@ -218,9 +345,35 @@ def run_job(
         close = getattr(client, "close", None)
         if close is not None:
             close()
+        if is_main:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         try:
             for f in os.listdir(sockdir):
                 os.unlink(os.path.join(sockdir, f))
             os.rmdir(sockdir)
         except OSError:
             pass
+
+
+def _wait(proc: subprocess.Popen[Any], stop_signal: list[int], grace_s: float) -> int:
+    """Wait for the script; once a signal was forwarded, give it ``grace_s`` then SIGKILL its group."""
+    deadline: float | None = None
+    while True:
+        try:
+            return int(proc.wait(timeout=0.2))
+        except subprocess.TimeoutExpired:
+            pass
+        if stop_signal and deadline is None:
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            return _stop_child(proc, 0.0, signal.SIGKILL)
+
+
+def _record_failure(client: Any, job: str, rc: int, attempts: int) -> None:
+    """Leave a FAILED record for ``gpupool status`` (kept for the retention time); best effort."""
+    record = getattr(client, "record_failure", None)
+    if record is None:
+        return
+    with contextlib.suppress(Exception):
+        record(job, f"{describe_exit(rc)} after {attempts} attempts", exit_code=shell_code(rc))

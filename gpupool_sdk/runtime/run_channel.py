@@ -25,14 +25,15 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gpupool_sdk.errors import ConfigError, GpupoolError
-from gpupool_sdk.resources import Directive
+from gpupool_sdk.resources import Directive, DirectiveKind
 
 log = logging.getLogger("gpupool_sdk.runtime.run_channel")
 
@@ -71,9 +72,13 @@ class ChannelLease:
         self.job: str = grant["job"]
         self.visible_devices: list[str] = [str(x) for x in grant.get("visible_devices", [])]
         self.resume_from: str | None = grant.get("resume_from")
+        self.etcd_lease_hex: str = str(grant.get("lease_hex", ""))
+        #: The launcher's job spec (``JobSpec.to_dict()``), the source of truth under ``gpupool run``.
+        self.spec: dict[str, Any] | None = grant.get("spec")
         self.lost = False
         self.lost_reason = ""
         self._directive: Directive | None = None
+        self._queue: queue.Queue[Directive | None] = queue.Queue()
         self._released = threading.Event()
         self._lost_cbs: list[Callable[[str], None]] = []
         self._pid = os.getpid()
@@ -120,7 +125,8 @@ class ChannelLease:
     def _handle(self, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "directive":
-            self._directive = Directive.from_dict(msg["directive"])
+            self._directive = Directive.from_dict(msg["directive"], unknown_ok=True)
+            self._queue.put(self._directive)
         elif op == "released":
             self._released.set()
         elif op == "lost":
@@ -142,8 +148,22 @@ class ChannelLease:
             self._handle(msg)
         if not self._released.is_set():
             self._mark_lost("gpupool run launcher went away")
+        self._queue.put(None)  # ends directives()
 
-    # -- the Lease interface used by training processes ---------------------------------------
+    # -- the JobLease interface (gpupool_sdk.runtime.leases) ------------------------------------
+    def device_indices(self) -> list[str]:
+        """Local device indices of the grant (for ``CUDA_VISIBLE_DEVICES``)."""
+        return list(self.visible_devices)
+
+    def directives(self) -> Iterator[Directive]:
+        """Yield directives as the launcher pushes them (blocking); ends when the channel ends."""
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.put(None)
+                return
+            yield item
+
     def poll_directive(self) -> Directive | None:
         """The latest directive pushed by the launcher (no I/O)."""
         return self._directive
@@ -172,7 +192,7 @@ class ChannelLease:
             },
         )
 
-    def publish_telemetry(self, summary: dict[str, Any]) -> None:
+    def publish_telemetry(self, summary: Mapping[str, Any]) -> None:
         """Forward a telemetry summary (a local socket write of a few hundred bytes)."""
         with contextlib.suppress(OSError):
             _send(self._sock, self._lock, {"op": "telemetry", "summary": summary})
@@ -201,6 +221,7 @@ class RunChannelServer:
         lease: the client's ``Lease`` for the job.
         path: Unix socket path to listen on.
         resume_from: checkpoint path the script should resume from.
+        spec: the launcher's JobSpec (sent to the script, which checks its own arguments against it).
         on_event: called with ``(op, message)`` for acks and telemetry (for the CLI's output).
     """
 
@@ -210,8 +231,10 @@ class RunChannelServer:
         path: str,
         resume_from: str | None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        spec: Any = None,
     ) -> None:
         self.lease = lease
+        self.spec = spec
         self.path = path
         self.resume_from = resume_from
         self.on_event = on_event
@@ -252,8 +275,10 @@ class RunChannelServer:
                     grant = {
                         "op": "grant",
                         "job": self.lease.job,
-                        "visible_devices": list(_devices(self.lease)),
+                        "visible_devices": self.lease.device_indices(),
                         "resume_from": self.resume_from,
+                        "lease_hex": self.lease.etcd_lease_hex,
+                        "spec": self.spec.to_dict() if self.spec is not None else None,
                     }
                     _send(conn, lock, grant)
                     forwarder = threading.Thread(
@@ -261,7 +286,7 @@ class RunChannelServer:
                     )
                     forwarder.start()
                 elif op == "ack":
-                    d = Directive.from_dict(msg["directive"])
+                    d = Directive.from_dict(msg["directive"], unknown_ok=True)
                     self.lease.ack(
                         d,
                         step=int(msg.get("step", 0)),
@@ -272,7 +297,7 @@ class RunChannelServer:
                     )
                     if self.on_event:
                         self.on_event("ack", msg)
-                    if d.kind.value in ("preempt", "resize"):
+                    if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
                         self.preempt_acked.set()
                         threading.Thread(
                             target=self._wait_released, args=(conn, lock), name="gpupool-run-rel", daemon=True
@@ -296,8 +321,8 @@ class RunChannelServer:
         lost_sent = False
         while not self._stop.is_set():
             try:
-                if not lost_sent and getattr(self.lease, "lost", False):
-                    _send(conn, lock, {"op": "lost", "reason": str(getattr(self.lease, "lost_reason", "") or "lease lost")})
+                if not lost_sent and self.lease.lost:
+                    _send(conn, lock, {"op": "lost", "reason": str(self.lease.lost_reason or "lease lost")})
                     lost_sent = True
                 d = self.lease.poll_directive()
                 if d is not None and d.seq != last_seq:
@@ -321,8 +346,3 @@ class RunChannelServer:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
 
-
-def _devices(lease: Any) -> list[str]:
-    from gpupool_sdk.runtime.runtime import _visible_devices
-
-    return _visible_devices(lease)

@@ -18,6 +18,10 @@ from integrations.lightning.tests.conftest import wait_for
 class FakeLease:
     job = "chan"
     visible_devices = "2,3"
+    etcd_lease_hex = "694d9a1c2e3b4f10"
+
+    def device_indices(self) -> list[str]:
+        return self.visible_devices.split(",")
 
     def __init__(self) -> None:
         self.lost = False

@@ -11,7 +11,8 @@ Example (the whole integration)::
     pool = GpuPoolCallback(gpus=1, memory="20GiB", qos="shared", priority=5, checkpoint_dir="ckpt/")
     trainer = pl.Trainer(accelerator=pool.accelerator, devices=pool.devices, callbacks=[pool], max_epochs=10)
     trainer.fit(model, datamodule=dm, ckpt_path=pool.resume_from)
-    pool.exit_if_preempted()                # exit code 75 when preempted: "run me again"
+    # A preempted (or SIGTERM'd) fit never returns: the process exits with code 75 ("run me
+    # again") right after the checkpoint, so the code below only ever sees a finished model.
 
 What the callback relies on in Lightning's hook order (pinned by
 ``tests/integrations/test_hook_order.py``): per optimizer step ``on_train_batch_start`` ->
@@ -23,20 +24,13 @@ What the callback relies on in Lightning's hook order (pinned by
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
 from typing import Any
 
-from gpupool_sdk.runtime.runtime import (
-    _CARRY_ON,
-    EX_TEMPFAIL,
-    Decision,
-    PoolAdapter,
-    PoolLeaseLostError,
-    PoolRuntime,
-)
+from gpupool_sdk.runtime import EX_TEMPFAIL, PoolAdapter, PoolLeaseLostError, PoolRuntime, RuntimeOptions
+from gpupool_sdk.runtime.decision import CARRY_ON, Decision, DecisionKind
 from gpupool_sdk.telemetry.phases import PHASE_INDEX, Phase
 from gpupool_torch.data import ResumableDataLoader
+from gpupool_torch.session import memory_tier
 
 log = logging.getLogger("gpupool_lightning")
 
@@ -82,97 +76,53 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
     """Leases GPU slices from the pool for a Lightning Trainer and obeys the pool's directives.
 
     The constructor takes the lease *before* the Trainer touches CUDA: it submits the job spec,
-    waits in the queue, sets ``CUDA_VISIBLE_DEVICES`` to the leased GPUs, and looks up the
-    job's last acknowledged checkpoint. Pass :attr:`accelerator`, :attr:`devices` and
-    :attr:`resume_from` to the Trainer. Under ``gpupool run`` it attaches to the launcher's
-    lease instead of submitting a second spec; on ranks other than 0 it holds no lease and
-    follows rank 0.
+    waits in the queue, sets ``CUDA_VISIBLE_DEVICES`` to the leased GPUs, and finds the job's
+    newest readable checkpoint. Pass :attr:`accelerator`, :attr:`devices` and :attr:`resume_from`
+    to the Trainer. Under ``gpupool run`` it attaches to the launcher's lease instead of
+    submitting a second spec; on ranks other than 0 it holds no lease and follows rank 0.
 
-    At step boundaries (every ``check_every_n_steps`` optimizer steps) rank 0 looks at the
-    lease's latest directive (no I/O: the client's helper process keeps it current) and the
-    decision is broadcast through ``trainer.strategy`` so that every rank acts at the same step:
+    At step boundaries (every ``check_every_n_steps`` optimizer steps, and after every batch of
+    a validation, test or predict loop) rank 0 looks at what arrived (no I/O) and the decision
+    is broadcast through ``trainer.strategy`` so that every rank acts at the same step:
 
-    * ``preempt`` / ``resize``: every rank saves ``trainer.save_checkpoint`` into
-      ``checkpoint_dir`` (validation is not run first), rank 0 acks with the step and path,
-      waits for the coordinator to take the slices back, releases the lease, and the Trainer
-      stops (validation is disabled for the rest of this ``fit``). Then
-      :meth:`exit_if_preempted` exits with code 75 (``EX_TEMPFAIL``), which ``gpupool run``
-      reads as "queue me again".
-    * ``balloon`` / ``deflate``: the memory balloon is inflated or deflated at the boundary
-      (before the next optimizer step) and rank 0 acks the bytes reached.
+    * ``preempt`` / ``resize`` directive, or SIGTERM / SIGINT / SIGUSR1: every rank saves
+      ``trainer.save_checkpoint`` into ``checkpoint_dir`` (atomically), rank 0 acks a directive,
+      waits for the coordinator to take the slices back and releases the lease; then the process
+      exits with code 75 (``EX_TEMPFAIL``, "run me again"; ``exit_on_preempt=False``: ``fit``
+      returns instead and :attr:`preempted` tells). No other callback runs after the checkpoint,
+      so ``EarlyStopping(strict=True)`` or a monitored ``ModelCheckpoint`` never see a half epoch.
+    * ``balloon`` / ``deflate``: the memory balloon is inflated or deflated and rank 0 acks the bytes reached.
+    * a directive kind this SDK does not know: acked as refused, with the reason.
     * lease lost: an emergency checkpoint is written if possible and
       :class:`PoolLeaseLostError` is raised out of ``trainer.fit``.
 
     Args:
-        gpus: slices wanted.
-        memory: memory per slice (``"20GiB"``); required unless ``qos="exclusive"``.
-        qos: ``"shared"`` (default), ``"guaranteed"`` or ``"exclusive"``.
-        priority: higher runs first and may preempt lower.
-        name: job name; default ``$GPUPOOL_JOB`` or the script's file name. A job restarted
-            under the same name resumes from its last acknowledged checkpoint.
-        checkpoint_dir: where preemption checkpoints go (shared by all ranks).
-        endpoints: etcd endpoints (default ``$GPUPOOL_ENDPOINTS``).
-        compute_share: share of each GPU's compute, in (0, 1].
-        allocator: memory tier for balloons: ``"torch"``, ``"gpupool"`` or ``"none"``.
-        check_every_n_steps: directive check interval, in optimizer steps.
-        telemetry_interval_s: how often a phase summary is published.
-        acquire_timeout: seconds to wait in the queue (None: forever).
-        memory_peak_fn: called only when a summary is due (never per step); returns the job's
-            per-slice memory peak in bytes since its previous call, or None. A number replaces
-            the measured ``memory_peak_bytes`` (see :meth:`report_memory_peak`).
-        metrics_port: serve this job's summary as Prometheus metrics (``gpupool_job_*``) on
-            this port from rank 0 (0: any free port); None (default) for none.
-        **spec_fields: other :class:`~gpupool_sdk.resources.JobSpec` fields (``features``,
-            ``gpu_model``, ``min_runtime_s``, ``preempt_grace_s``, ``owner``, ``prefix``...).
+        client: a ready ``PoolClient``-like object (tests).
+        **options: the pool options, :class:`~gpupool_sdk.runtime.RuntimeOptions`: ``gpus``,
+            ``memory``, ``qos``, ``priority``, ``name``, ``checkpoint_dir``, ``endpoints``,
+            ``compute_share``, ``allocator``, ``check_every_n_steps``, ``telemetry_interval_s``,
+            ``acquire_timeout``, ``on_status`` (called with each status while queued),
+            ``memory_peak_fn``, ``metrics_port``, ``exit_on_preempt``, ``preempt_signals``,
+            ``keep_checkpoints``, ``resume_paths``; and :class:`~gpupool_sdk.resources.JobSpec`
+            fields (``features``, ``gpu_model``, ``min_runtime_s``, ``preempt_grace_s``...).
 
     Raises:
-        ConfigError: an argument is invalid (the message names it and the fix).
+        ConfigError: an option is invalid or unknown (the message names it and the closest valid one).
         AcquireTimeoutError: not granted within ``acquire_timeout``.
     """
 
-    def __init__(
-        self,
-        gpus: int = 1,
-        memory: int | str | None = None,
-        qos: str = "shared",
-        priority: int = 0,
-        name: str | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        endpoints: str | None = None,
-        compute_share: float = 1.0,
-        allocator: str = "torch",
-        check_every_n_steps: int = 1,
-        telemetry_interval_s: float = 5.0,
-        acquire_timeout: float | None = None,
-        memory_peak_fn: Callable[[], int | None] | None = None,
-        metrics_port: int | None = None,
-        **spec_fields: Any,
-    ) -> None:
+    def __init__(self, client: Any = None, **options: Any) -> None:
         super().__init__()
-        self.runtime = PoolRuntime(
-            gpus=gpus,
-            memory=memory,
-            qos=qos,
-            priority=priority,
-            name=name,
-            checkpoint_dir=checkpoint_dir,
-            endpoints=endpoints,
-            compute_share=compute_share,
-            allocator=allocator,
-            check_every_n_steps=check_every_n_steps,
-            telemetry_interval_s=telemetry_interval_s,
-            acquire_timeout=acquire_timeout,
-            memory_peak_fn=memory_peak_fn,
-            metrics_port=metrics_port,
-            **spec_fields,
-        )
+        self.options = RuntimeOptions.from_kwargs(**options)
+        self.runtime = PoolRuntime(self.options, client=client, memory_tier=memory_tier)
         self.runtime.acquire()
         # The per-step hooks reach the timer through one attribute (it is never replaced).
         self._timer = self.runtime.timer
         self._opt_stepped = False
-        self._world_size = 1
+        self._broadcast: Any = None
         self._resumable: list[ResumableDataLoader] = []
         self._last_checkpoint: str | None = None
+        self._trainer: Any = None
 
     # -- what the Trainer needs ------------------------------------------------------------
     @property
@@ -181,54 +131,32 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         return self.runtime.accelerator
 
     @property
-    def preemptions(self) -> int:
-        """Preemptions over the job's life (restored from checkpoints)."""
-        return self.runtime.preemptions
-
-    @property
-    def lease_generation(self) -> int:
-        """How many leases the job has held, this one included (restored from checkpoints)."""
-        return self.runtime.lease_generation
-
-    @property
-    def phase_timer(self) -> Any:
-        """The :class:`~gpupool_sdk.telemetry.phases.PhaseTimer` of this process."""
-        return self.runtime.timer
-
-    @property
-    def preempt_timing(self) -> Any:
-        """:class:`~gpupool_sdk.runtime.runtime.PreemptTiming` of the last preemption (rank 0), or None."""
-        return self.runtime.last_preempt
-
-    @property
     def last_checkpoint(self) -> str | None:
-        """Path of the last checkpoint this callback wrote (preemption or emergency)."""
+        """Path of the last checkpoint this callback wrote (preemption, signal or emergency)."""
         return self._last_checkpoint
-
-    def exit_if_preempted(self) -> None:
-        """Call after ``trainer.fit``: exit with code 75 if preempted, else release the lease.
-
-        Example:
-            >>> # trainer.fit(model, ckpt_path=pool.resume_from); pool.exit_if_preempted()
-        """
-        super().exit_if_preempted()
-        self.runtime.close()
-
-    def close(self) -> None:
-        """Release the lease now (idempotent; also runs at process exit)."""
-        self.runtime.close()
 
     def __enter__(self) -> GpuPoolCallback:
         return self
 
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.runtime.close()
+
     # -- hooks -----------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # The optimizers exist now: the balloon controller measures the footprint from here on.
-        self.runtime.start_training(getattr(trainer, "optimizers", []) or [])
-        self._world_size = int(trainer.world_size)
+        rt = self.runtime
+        # The optimizers exist now: the balloon tier measures the footprint from here on.
+        rt.start_training(getattr(trainer, "optimizers", []) or [])
+        self._trainer = trainer
+        strategy = trainer.strategy
+        self._broadcast = (lambda obj: strategy.broadcast(obj, src=0)) if int(trainer.world_size) > 1 else None
         device = getattr(pl_module, "device", None)
         # The timer was built before CUDA existed in this process (the lease comes first).
-        self.runtime.timer.set_cuda_events(getattr(device, "type", "cpu") == "cuda")
+        rt.timer.set_cuda_events(getattr(device, "type", "cpu") == "cuda")
+        # The job's declared length feeds the pool's remaining-time ordering.
+        total = getattr(trainer, "estimated_stepping_batches", None)
+        if not total or total == float("inf"):
+            total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        rt.set_total_steps(total)
         # A mid-epoch restart skips on_train_epoch_start: collect the loaders here too.
         self._collect_loaders(trainer)
 
@@ -241,13 +169,12 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         self._collect_loaders(trainer)
 
     # The per-step hooks below are the hot path: one clock reading per phase boundary, no
-    # allocation, no I/O; the directive check is an attribute read between directives.
+    # allocation, no I/O; between directives the check is an attribute read.
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._timer.switch(_DATA, _FORWARD)
         rt = self.runtime
-        # lease_lost(), inlined: a lease that reports its loss through a callback is not asked.
-        if self._world_size == 1 and (rt._lost_seen or (rt._poll_lost and rt.lease_lost())):
-            self._fence(trainer, Decision(kind="lost", reason=rt.lost_reason()))
+        if rt.inbox.lost and self._broadcast is None:
+            self._fence(trainer, Decision(kind=DecisionKind.LOST, reason=rt.inbox.lost_reason))
         if self._resumable:
             consumed, epoch = batch_idx + 1, trainer.current_epoch
             for dl in self._resumable:
@@ -264,47 +191,51 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         self._timer.begin(_OPTIMIZER)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        rt = self.runtime
-        # The step's end is also the next data phase's start, unless something took time below.
-        now: float | None = self._timer.finish_step(_OPTIMIZER)
         stepped, self._opt_stepped = self._opt_stepped, False
-        # trainer.global_step is a chain of Lightning properties (microseconds once training has
-        # evicted the caches): read only where a step number is used. The runtime's step is
-        # brought up to date on those steps.
-        step: int | None = None
-        check = stepped
-        if check and rt.check_every_n_steps != 1:
-            step = rt.step = int(trainer.global_step)
-            check = step % rt.check_every_n_steps == 0
-        # Act only where an optimizer step just finished (not mid gradient-accumulation), and
-        # on the same steps on every rank, so the broadcast below pairs up.
+        if not stepped:
+            # Gradient accumulation: the batch belongs to the optimizer step still open (the
+            # timer counts optimizer steps, not batches); nothing is decided mid-accumulation.
+            self._timer.switch(-1, _DATA)
+            return
+        rt = self.runtime
+        now: float | None = self._timer.finish_step(_OPTIMIZER)
+        check = True
+        every = self.options.check_every_n_steps
+        if every != 1:
+            check = int(trainer.global_step) % every == 0
         if check:
-            if self._world_size > 1:
-                wire = rt.decide().to_wire() if rt.is_leader else None
-                dec = Decision.from_wire(trainer.strategy.broadcast(wire, src=0))
-            elif rt._watching and not rt._attention:
-                # decide()'s own first test, inlined: no directive and no loss since the last look.
-                dec = _CARRY_ON
-            else:
-                dec = rt.decide()
-            if dec.kind is not None:
-                if step is None:
-                    step = rt.step = int(trainer.global_step)
-                if dec.kind == "lost":
-                    self._fence(trainer, dec)
-                elif dec.kind == "preempt":
-                    self._preempt(trainer, dec, step)
-                    return
-                elif dec.kind in ("balloon", "deflate"):
-                    rt.balloon(dec, step)
-                    now = None
-        # maybe_publish's interval test, inlined; the summary is built only when one is due.
-        if rt.lease is not None and (now is None or now >= rt._next_publish):
-            if step is None:
-                step = rt.step = int(trainer.global_step)
-            if rt.maybe_publish(step, now):
+            # trainer.global_step is a chain of properties: read only when a step number is used.
+            dec = rt.step_boundary(lambda: int(trainer.global_step), self._save(trainer), self._broadcast, now)
+            if dec is not CARRY_ON:
                 now = None
+                if dec.kind is not None and dec.kind.stops:
+                    self._stop(trainer)
+                    return
+        elif rt.lease is not None and now is not None and now >= rt.publisher.next_due:
+            rt.publisher.maybe_publish(rt.lease, int(trainer.global_step), now)
+            now = None
         self._timer.begin(_DATA, now)
+
+    # Directives that arrive while another loop runs are honoured within one batch of it.
+    def _loop_batch_end(self, trainer: Any) -> None:
+        rt = self.runtime
+        if self._broadcast is None and not rt.inbox.attention:
+            return
+        dec = rt.step_boundary(lambda: int(trainer.global_step), self._save(trainer), self._broadcast)
+        if dec.kind is not None and dec.kind.stops:
+            self._stop(trainer)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        self._loop_batch_end(trainer)
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        self._loop_batch_end(trainer)
+
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:
+        self._loop_batch_end(trainer)
 
     def _save(self, trainer: Any) -> Any:
         def save(path: str) -> None:
@@ -313,15 +244,25 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
 
         return save
 
-    def _preempt(self, trainer: Any, dec: Decision, step: int) -> None:
-        log.info("gpupool: %s preempted at step %d (%s); checkpointing", self.job, step, dec.reason)
-        self.runtime.preempt(dec, step, self._save(trainer))
+    def _stop(self, trainer: Any) -> None:
+        rt = self.runtime
+        self._last_checkpoint = rt.resume_from if rt.preempted else self._last_checkpoint
         trainer.should_stop = True
         # Stopping early would otherwise run validation on slices we no longer hold.
         trainer.limit_val_batches = 0
+        if self.options.exit_on_preempt:
+            log.warning("gpupool: %s %s; exiting with code %d to be run again (resume from %s)", self.job,
+                        rt.preempt_reason or "preempted", EX_TEMPFAIL, rt.resume_from)
+            raise SystemExit(EX_TEMPFAIL)
 
     def _fence(self, trainer: Any, dec: Decision) -> None:
         raise self.runtime.fence(dec, int(trainer.global_step), self._save(trainer))
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        # A fit that ends without a preemption finished the job: its checkpoints stop being
+        # resume points (the lease is kept for what the script does next: test, export).
+        if not self.runtime.preempted and not trainer.interrupted:
+            self.runtime.finish(int(trainer.global_step), release=False)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":

@@ -16,8 +16,9 @@ import torch
 from gpupool_lightning import GpuPoolCallback
 from gpupool_sdk.coordinator.snapshot import _peak_from_telemetry
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.runtime.runtime import Decision, PoolRuntime
+from gpupool_sdk.runtime import Decision, DecisionKind, PoolRuntime, RuntimeOptions
 from gpupool_sdk.telemetry.summary import SliceTelemetry, TelemetrySummary
+from gpupool_torch.session import memory_tier
 from integrations.lightning.tests.test_callback_logic import FakeClient, FakeLease, fit
 
 
@@ -36,7 +37,8 @@ def trained_adam() -> torch.optim.Optimizer:
 
 def runtime(name: str, **kw: Any) -> tuple[PoolRuntime, FakeLease]:
     lease = FakeLease(name)
-    rt = PoolRuntime(memory="1GiB", name=name, client=FakeClient(lease), **kw)
+    rt = PoolRuntime(RuntimeOptions.from_kwargs(memory="1GiB", name=name, **kw), client=FakeClient(lease),
+                     memory_tier=memory_tier)
     rt.acquire()
     return rt, lease
 
@@ -82,9 +84,9 @@ def test_reported_peaks_take_the_largest_of_the_window_and_a_none_hook_leaves_th
     rt.report_memory_peak(7)
     rt.report_memory_peak(9)
     rt.report_memory_peak(8)
-    assert rt.build_summary(1).memory_peak_bytes == 9  # the hook said None; reports win
-    assert rt.build_summary(2).memory_peak_bytes == 100  # the hook's figure
-    assert rt.build_summary(3).memory_peak_bytes == state_bytes(opt)  # nothing reported: measured
+    assert rt.publisher.build(1).memory_peak_bytes == 9  # the hook said None; reports win
+    assert rt.publisher.build(2).memory_peak_bytes == 100  # the hook's figure
+    assert rt.publisher.build(3).memory_peak_bytes == state_bytes(opt)  # nothing reported: measured
     rt.close()
 
 
@@ -100,7 +102,7 @@ def test_nothing_is_published_as_zero_when_unmeasured(tmp_path: Path) -> None:
     # A hook that reports 0 is not taken for a measure either.
     rt, _ = runtime("zero", allocator="none", memory_peak_fn=lambda: 0)
     rt.start_training()
-    assert rt.build_summary(1).memory_peak_bytes is None
+    assert rt.publisher.build(1).memory_peak_bytes is None
     rt.close()
 
 
@@ -109,12 +111,12 @@ def test_balloon_window_keeps_the_footprint_before_the_inflate_then_none_once_al
     opt = trained_adam()
     rt.start_training([opt])
     full = state_bytes(opt)
-    rt.balloon(Decision(kind="balloon", seq=1, target={"memory_bytes": 0}), step=1)
+    rt.balloon(Decision(kind=DecisionKind.BALLOON, seq=1, target={"memory_bytes": 0}), step=1)
     assert lease.acks[-1]["ok"] and lease.acks[-1]["reached_bytes"] == 0
-    assert rt.build_summary(1).memory_peak_bytes == full  # the peak of the window, not the 0 after it
-    assert rt.build_summary(2).memory_peak_bytes is None  # everything offloaded: nothing measured
-    rt.balloon(Decision(kind="deflate", seq=2), step=2)
-    assert rt.build_summary(3).memory_peak_bytes == full
+    assert rt.publisher.build(1).memory_peak_bytes == full  # the peak of the window, not the 0 after it
+    assert rt.publisher.build(2).memory_peak_bytes is None  # everything offloaded: nothing measured
+    rt.balloon(Decision(kind=DecisionKind.DEFLATE, seq=2), step=2)
+    assert rt.publisher.build(3).memory_peak_bytes == full
     rt.close()
 
 
@@ -148,7 +150,7 @@ def test_a_failing_or_wrong_hook_never_stops_publishing() -> None:
 
     for fn in (boom, lambda: -5):
         rt, lease = runtime("boom", allocator="none", memory_peak_fn=fn)
-        assert rt.maybe_publish(1, now=1.0)
+        assert rt.publisher.maybe_publish(rt.lease, 1, now=1.0)
         assert lease.telemetry[-1]["memory_peak_bytes"] is None
         rt.close()
 
@@ -157,14 +159,14 @@ def test_job_metrics_exporter_serves_the_published_summary_and_stops_at_teardown
     rt, _ = runtime("metrics", metrics_port=0)
     rt.report_memory_peak(4096)
     rt.start_training()
-    server = rt._metrics_server
+    server = rt.publisher._server
     assert server is not None
-    assert rt.maybe_publish(3, now=1.0)
+    assert rt.publisher.maybe_publish(rt.lease, 3, now=1.0)
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
-    assert 'gpupool_job_memory_peak_bytes{job="metrics"} 4096.0' in body
-    assert 'gpupool_job_step{job="metrics"} 3.0' in body
+    assert 'gpupool_job_memory_peak_bytes{job_name="metrics"} 4096.0' in body
+    assert 'gpupool_job_step{job_name="metrics"} 3.0' in body
     rt.stop_training()
-    assert rt._metrics_server is None
+    assert rt.publisher._server is None
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=2)
     rt.close()
@@ -207,7 +209,7 @@ def test_nvml_sampler_watches_the_leased_gpus_on_a_gpu_machine(monkeypatch: pyte
     rt.start_training()
     (sampler,) = FakeSampler.instances
     assert sampler.gpu_uuids == ["GPU-a"]
-    assert rt.maybe_publish(1, now=1.0)
+    assert rt.publisher.maybe_publish(rt.lease, 1, now=1.0)
     s = lease.telemetry[-1]
     assert s["gpu_util"] == 0.5 and s["slices"][0]["gpu_uuid"] == "GPU-a"
     assert s["memory_peak_bytes"] == 3072  # no allocator figure: NVML's
@@ -219,14 +221,14 @@ def test_no_sampler_without_nvml_or_without_a_gpu(monkeypatch: pytest.MonkeyPatc
     rt, lease = runtime("cpu", allocator="none")
     lease.allocations = [Alloc("GPU-a")]  # type: ignore[attr-defined]
     rt.start_training()
-    assert rt._sampler is None  # the CPU: never sampled
+    assert rt.publisher.sampler is None  # the CPU: never sampled
     rt.close()
     monkeypatch.setattr(PoolRuntime, "accelerator", property(lambda self: "gpu"))
     rt, lease = runtime("gpu-no-nvml", allocator="none")
     lease.allocations = [Alloc("GPU-a")]  # type: ignore[attr-defined]
     rt.start_training()  # no pynvml here (or a fake GPU): skipped cleanly
-    assert rt._sampler is None
-    assert rt.maybe_publish(1, now=1.0) and lease.telemetry[-1]["gpu_util"] is None
+    assert rt.publisher.sampler is None
+    assert rt.publisher.maybe_publish(rt.lease, 1, now=1.0) and lease.telemetry[-1]["gpu_util"] is None
     rt.close()
 
 
@@ -262,13 +264,13 @@ def test_torch_tier_peak_is_windowed_without_resetting_the_users_stats(monkeypat
     cuda = FakeCuda()
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
     cuda.reserved, cuda.max_reserved = 600, 1000
-    assert rt._memory_peak() == 1000  # the lifetime peak rose in this window: it is the window's
+    assert rt.meter.take() == 1000  # the lifetime peak rose in this window: it is the window's
     cuda.reserved = 500
-    assert rt._memory_peak() == 500  # no new peak: what is reserved now
+    assert rt.meter.take() == 500  # no new peak: what is reserved now
     cuda.max_reserved = 1200
-    assert rt._memory_peak() == 1200
+    assert rt.meter.take() == 1200
     cuda.reserved = 0
-    assert rt._memory_peak() is None  # cache emptied, nothing held: unknown, never 0
+    assert rt.meter.take() is None  # cache emptied, nothing held: unknown, never 0
     assert cuda.resets == 0
     monkeypatch.undo()
     rt.close()

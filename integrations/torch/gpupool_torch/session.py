@@ -40,93 +40,75 @@ is initialised.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
-from gpupool_sdk.runtime.runtime import EX_TEMPFAIL, Decision, PoolAdapter, PoolLeaseLostError, PoolRuntime
+from gpupool_sdk.runtime import EX_TEMPFAIL, PoolAdapter, PoolLeaseLostError, PoolRuntime, RuntimeOptions
+from gpupool_sdk.runtime.decision import DecisionKind
 from gpupool_sdk.telemetry.phases import Phase
+from gpupool_torch.memory import make_balloon_controller
 
 __all__ = ["EX_TEMPFAIL", "PoolLeaseLostError", "PoolSession"]
 
 
-def _default_broadcast(obj: Any) -> Any:
+def _default_broadcast() -> Callable[[Any], Any] | None:
     try:
         import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [obj]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
     except ImportError:
-        pass
-    return obj
+        return None
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+
+    def broadcast(obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    return broadcast
+
+
+def memory_tier(kind: str, quota_bytes: int | None) -> Any:
+    """The balloon controller of ``kind`` for the in-job runtime (torch's memory tiers)."""
+    return make_balloon_controller(kind=kind, quota_bytes=quota_bytes)  # type: ignore[arg-type]
 
 
 class PoolSession(PoolAdapter):
     """Context manager that holds a lease for a plain PyTorch loop and applies directives.
 
     Args:
-        gpus, memory, qos, priority, name, checkpoint_dir, endpoints, compute_share, allocator,
-            check_every_n_steps, telemetry_interval_s, acquire_timeout, **spec_fields: as for
-            :class:`~gpupool_lightning.GpuPoolCallback`.
-        memory_peak_fn, metrics_port: as for
-            :class:`~gpupool_lightning.GpuPoolCallback` (see :meth:`report_memory_peak`).
-        broadcast: ``obj -> obj`` sending rank 0's object to all ranks (distributed loops).
-        exit_on_preempt: leaving the ``with`` block after a preemption raises ``SystemExit(75)``.
+        broadcast: ``obj -> obj`` sending rank 0's object to all ranks (distributed loops);
+            default ``torch.distributed.broadcast_object_list`` when a process group of more
+            than one rank is initialised.
+        client: a ready ``PoolClient``-like object (tests).
+        **options: the pool options, :class:`~gpupool_sdk.runtime.RuntimeOptions` (``gpus``,
+            ``memory``, ``qos``, ``priority``, ``checkpoint_dir``, ``exit_on_preempt``...), and
+            :class:`~gpupool_sdk.resources.JobSpec` fields.
 
     Raises:
-        ConfigError: an argument is invalid.
+        ConfigError: an option is invalid or unknown (the message names it and the closest valid one).
     """
 
-    def __init__(
-        self,
-        gpus: int = 1,
-        memory: int | str | None = None,
-        qos: str = "shared",
-        priority: int = 0,
-        name: str | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        endpoints: str | None = None,
-        compute_share: float = 1.0,
-        allocator: str = "torch",
-        check_every_n_steps: int = 1,
-        telemetry_interval_s: float = 5.0,
-        acquire_timeout: float | None = None,
-        memory_peak_fn: Callable[[], int | None] | None = None,
-        metrics_port: int | None = None,
-        broadcast: Callable[[Any], Any] | None = None,
-        exit_on_preempt: bool = True,
-        **spec_fields: Any,
-    ) -> None:
-        self.runtime = PoolRuntime(
-            gpus=gpus,
-            memory=memory,
-            qos=qos,
-            priority=priority,
-            name=name,
-            checkpoint_dir=checkpoint_dir,
-            endpoints=endpoints,
-            compute_share=compute_share,
-            allocator=allocator,
-            check_every_n_steps=check_every_n_steps,
-            telemetry_interval_s=telemetry_interval_s,
-            acquire_timeout=acquire_timeout,
-            memory_peak_fn=memory_peak_fn,
-            metrics_port=metrics_port,
-            **spec_fields,
-        )
-        self._broadcast = broadcast or _default_broadcast
-        self.exit_on_preempt = bool(exit_on_preempt)
+    def __init__(self, broadcast: Callable[[Any], Any] | None = None, client: Any = None, **options: Any) -> None:
+        self.options = RuntimeOptions.from_kwargs(**options)
+        self.runtime = PoolRuntime(self.options, client=client, memory_tier=memory_tier)
+        self._broadcast = broadcast
         self._entered = False
 
     def __enter__(self) -> PoolSession:
         self.runtime.acquire()
         self._entered = True
-        # The balloon controller measures the footprint from the first publish on; optimizers
-        # join it as the loop registers them (add_optimizer).
+        # The balloon tier measures the footprint from the first publish on; optimizers join it
+        # as the loop registers them (add_optimizer).
         self.runtime.start_training()
         return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        rt = self.runtime
+        if exc_type is None and not rt.preempted:
+            rt.finish(rt.step)
+        rt.close()
+        if exc_type is None and rt.preempted and self.options.exit_on_preempt:
+            raise SystemExit(EX_TEMPFAIL)
 
     # -- grant ---------------------------------------------------------------------------------
     @property
@@ -142,6 +124,10 @@ class PoolSession(PoolAdapter):
         """Let balloon directives offload this optimizer's state (counted in the published memory peak)."""
         self.runtime.start_training([optimizer])
 
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """Declare the job's length in steps: the pool then schedules it by its remaining time."""
+        self.runtime.set_total_steps(total_steps)
+
     # -- step hooks ---------------------------------------------------------------------------
     def step_begin(self) -> None:
         """Mark the start of a step; raises :class:`PoolLeaseLostError` if the lease is gone."""
@@ -149,19 +135,21 @@ class PoolSession(PoolAdapter):
             raise RuntimeError("use PoolSession as a context manager: `with PoolSession(...) as pool:`")
         rt = self.runtime
         if rt.lease_lost():
-            raise rt.fence(Decision(kind="lost", reason=rt.lost_reason()), rt.step, None)
+            from gpupool_sdk.runtime.decision import Decision
+
+            raise rt.fence(Decision(kind=DecisionKind.LOST, reason=rt.inbox.lost_reason), rt.step, None)
 
     def phase(self, phase: Phase) -> Any:
         """``with pool.phase(Phase.FORWARD): ...`` times one phase of the step."""
         return self.runtime.timer.phase(phase)
 
     def step_end(self, step: int, save: Callable[[str], None]) -> bool:
-        """Close the step; act on a directive. Returns True when the loop must stop (preempted).
+        """Close the step; act on a directive or signal. Returns True when the loop must stop (preempted).
 
         Args:
             step: the number of optimizer steps done so far (recorded in the ack).
             save: writes a checkpoint to the given path (called on preemption, and on lease
-                loss as an emergency checkpoint).
+                loss as an emergency checkpoint; in a distributed loop write it on rank 0 only).
 
         Raises:
             PoolLeaseLostError: the lease was lost; training must not continue.
@@ -169,17 +157,9 @@ class PoolSession(PoolAdapter):
         rt = self.runtime
         rt.timer.step_end()
         rt.step = step
-        if step % rt.check_every_n_steps != 0:
-            rt.maybe_publish(step)
+        if step % self.options.check_every_n_steps != 0:
+            rt.publisher.maybe_publish(rt.lease, step)
             return False
-        wire = rt.decide().to_wire() if rt.is_leader else None
-        dec = Decision.from_wire(self._broadcast(wire))
-        if dec.kind == "lost":
-            raise rt.fence(dec, step, save)
-        if dec.kind == "preempt":
-            rt.preempt(dec, step, save)
-            return True
-        if dec.kind in ("balloon", "deflate"):
-            rt.balloon(dec, step)
-        rt.maybe_publish(step)
-        return False
+        broadcast = self._broadcast or _default_broadcast()
+        dec = rt.step_boundary(lambda: step, save, broadcast)
+        return bool(dec.kind is not None and dec.kind.stops)

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from gpupool_lightning import GpuPoolCallback, ResumableDataLoader
-from gpupool_sdk.runtime.runtime import CKPT_DIR_ENV
+from gpupool_sdk.runtime import CKPT_DIR_ENV
 
 
 class TinyRegressor(pl.LightningModule):
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_dir=args.checkpoint_dir,
         allocator="none",
         telemetry_interval_s=1.0,
+        exit_on_preempt=False,  # fit returns after a preemption: the result line is printed first
     )
     torch.manual_seed(args.seed)
     model = TinyRegressor(args.seed, args.samples, args.batch_size, args.num_workers, args.step_sleep)
