@@ -7,24 +7,27 @@ unreachable etcd is shown and retried until Ctrl-C, as in ``gpupool top -w``.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
 
 import click
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
+from rich.console import Console
 
 from gpupool_sdk.cli.common import (
-    echo_json,
     endpoints_option,
     etcd_security_options,
-    output_option,
     prefix_option,
     resolve_endpoints,
     watch_loop,
     watch_option,
+)
+from gpupool_sdk.cli.output import (
+    TableSpec,
+    emit_document,
+    is_terminal,
+    no_headers_option,
+    output_option,
+    print_sections,
 )
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.resources import JobState, format_size
@@ -177,74 +180,69 @@ def status_dict(state: PoolState) -> dict[str, Any]:
     }
 
 
-def render(state: PoolState, endpoint: str) -> Group:
-    """Rich tables for the pool."""
+def sections(state: PoolState, endpoint: str) -> list[TableSpec | str]:
+    """The pool as lines and tables (columns named in ``wide`` appear under ``-o wide`` only)."""
     d = status_dict(state)
     now = state.snapshot.now
-    parts: list[Any] = []
+    parts: list[TableSpec | str] = []
     leader = d["leader"]
     if leader:
-        head = Text.assemble(("leader ", "bold"), f"{leader['id']} term {leader['term']} since {_ago(now, leader['since'])} ago")
+        head = f"leader {leader['id']} term {leader['term']} since {_ago(now, leader['since'])} ago"
     else:
-        head = Text.assemble(("leader ", "bold"), ("none", "yellow"), " (no coordinator leads)")
-    parts.append(Text.assemble(head, f"   etcd {endpoint} rev {d['revision']}"))
+        head = "leader none (no coordinator leads)"
+    parts.append(f"{head}   etcd {endpoint} rev {d['revision']}")
 
-    nodes = Table(title="Nodes", title_justify="left")
-    for c in ("NODE", "BACKEND", "GPUS", "HOST", "STATE"):
-        nodes.add_column(c)
+    nodes = TableSpec(["NODE", "BACKEND", "GPUS", "HOST", "STATE"], [], "Nodes")
     for n in d["nodes"]:
         if n["draining"]:
             state_txt = "draining" + _why(d["intents"]["drains"].get(n["name"]))
         else:
             state_txt = "ready" if n["present"] else "no agent"
-        nodes.add_row(n["name"], n["backend"] or "-", str(n["gpus"]), n["hostname"] or "-", state_txt)
-    parts.append(nodes if d["nodes"] else Text("no nodes: start `gpupool agent` on each GPU machine", "yellow"))
+        nodes.rows.append([n["name"], n["backend"] or "-", str(n["gpus"]), n["hostname"] or "-", state_txt])
+    parts.append(nodes if d["nodes"] else "no nodes: start `gpupool agent` on each GPU machine")
 
-    gpus = Table(title="GPUs", title_justify="left")
-    for c in ("NODE", "IDX", "UUID", "MODEL", "MEMORY", "USED", "JOBS", "HEALTH", "SCHED"):
-        gpus.add_column(c)
+    gpus = TableSpec(
+        ["NODE", "IDX", "UUID", "MODEL", "MEMORY", "USED", "JOBS", "HEALTH", "SCHED", "ISLAND", "SIMULATED"], [], "GPUs",
+        wide=frozenset({"ISLAND", "SIMULATED"}),
+    )
     for g in d["gpus"]:
         health = "ok" if g["healthy"] else "UNHEALTHY: " + "; ".join(g["health_reasons"])
         if g["cordoned"]:
             sched = "cordoned" + _why(d["intents"]["cordons"].get(g["uuid"]))
         else:
-            sched = "draining" + _why(d["intents"]["drains"].get(g["node"])) if g["draining"] else ""
-        gpus.add_row(
+            sched = "draining" + _why(d["intents"]["drains"].get(g["node"])) if g["draining"] else "-"
+        gpus.rows.append([
             g["node"], str(g["index"]), g["uuid"], g["model"], format_size(g["memory_bytes"]),
             format_size(g["used_memory_bytes"]), ",".join(g["jobs"]) or "-", health, sched,
-        )
+            "-" if g["nvlink_island"] is None else str(g["nvlink_island"]), "yes" if g["simulated"] else "no",
+        ])
     if d["gpus"]:
         parts.append(gpus)
 
-    jobs = Table(title="Jobs", title_justify="left")
-    # LEASE is hex, as etcdctl takes it: `etcdctl lease timetolive <LEASE> --keys` lists what the job holds.
-    for c in ("JOB", "STATE", "PRIO", "QOS", "SLICES", "ALLOCATIONS", "LEASE", "REASON"):
-        jobs.add_column(c)
+    jobs = TableSpec(
+        ["JOB", "STATE", "PRIO", "QOS", "SLICES", "ALLOCATIONS", "OWNER", "LEASE", "TERM", "PREEMPTIONS", "REASON"], [],
+        "Jobs", wide=frozenset({"OWNER", "LEASE", "TERM", "PREEMPTIONS"}),
+    )
     for j in d["jobs"]:
         mem = "whole" if j["memory_bytes"] == 0 else format_size(j["memory_bytes"])
         allocs = " ".join(f"{a['node']}/{a['gpu_index']}" for a in j["allocations"]) or "-"
-        jobs.add_row(
-            j["name"], j["state"], str(j["priority"]), j["qos"], f"{j['gpus']}x{mem}", allocs, j["lease"], j["reason"]
-        )
-    parts.append(jobs if d["jobs"] else Text("no jobs"))
+        jobs.rows.append([
+            j["name"], j["state"], str(j["priority"]), j["qos"], f"{j['gpus']}x{mem}", allocs, j["owner"] or "-",
+            j["lease"], str(j["term"]), str(j["preemptions"]), j["reason"],
+        ])
+    parts.append(jobs if d["jobs"] else "no jobs")
 
     if d["queue"]:
-        q = Table(title="Queue", title_justify="left")
-        for c in ("#", "JOB", "PRIO", "WAITING", "REASON"):
-            q.add_column(c)
+        q = TableSpec(["#", "JOB", "PRIO", "WAITING", "REASON"], [], "Queue")
         for i, j in enumerate(d["queue"], 1):
-            q.add_row(str(i), j["name"], str(j["priority"]), f"{j['waiting_s']:.0f}s", j["reason"])
+            q.rows.append([str(i), j["name"], str(j["priority"]), f"{j['waiting_s']:.0f}s", j["reason"]])
         parts.append(q)
     if d["orphan_allocations"]:
-        parts.append(Text(f"{len(d['orphan_allocations'])} allocation(s) of jobs with no spec (their lease is expiring)", "yellow"))
+        parts.append(f"{len(d['orphan_allocations'])} allocation(s) of jobs with no spec (their lease is expiring)")
     if d["problems"]:
-        p = Table(title="Problems (skipped)", title_justify="left", style="red")
-        p.add_column("KEY")
-        p.add_column("PROBLEM")
-        for pr in d["problems"]:
-            p.add_row(pr["key"], pr["message"])
+        p = TableSpec(["KEY", "PROBLEM"], [[pr["key"], pr["message"]] for pr in d["problems"]], "Problems (skipped)")
         parts.append(p)
-    return Group(*parts)
+    return parts
 
 
 @click.command("status")
@@ -252,29 +250,46 @@ def render(state: PoolState, endpoint: str) -> Group:
 @etcd_security_options
 @prefix_option
 @output_option
+@no_headers_option
 @watch_option
-def status(endpoints: str | None, security: EtcdSecurity, prefix: str | None, output: str, watch_s: float | None) -> None:
+def status(
+    endpoints: str | None,
+    security: EtcdSecurity,
+    prefix: str | None,
+    output: str,
+    no_headers: bool,
+    watch_s: float | None,
+) -> None:
     """Show the leader, nodes, GPUs, jobs, the queue and any malformed keys.
+
+    On a terminal the tables have borders; piped or redirected they are plain aligned columns.
 
     \b
     Examples:
-        gpupool status              # tables
-        gpupool status -o json      # the same as JSON, for scripts
-        gpupool status -w 2         # refresh every 2 s until Ctrl-C (an unreachable etcd is retried)
+        gpupool status                 # tables
+        gpupool status -o wide         # more columns (owner, lease, term, NVLink island...)
+        gpupool status -o json         # the same as JSON (or -o yaml), for scripts
+        gpupool status -w 2 -o json    # one JSON object per line every 2 s until Ctrl-C
+
+    \b
+    Exit codes: 0 shown, 2 bad usage, 3 etcd unreachable (one-shot; under -w it is retried).
     """
     # Malformed keys are shown in the "problems" section; the snapshot's log line would repeat them.
     logging.getLogger("gpupool_sdk.coordinator.snapshot").setLevel(logging.ERROR)
     store = open_store(endpoints, prefix, security=security)
-    # Piped output is not wrapped at 80 columns, so keys stay whole for grep and scripts.
-    console = Console(width=None if sys.stdout.isatty() else 220)
+    console = Console() if is_terminal() else None
+    watched = [0]
 
     def show(state: PoolState, watching: bool) -> None:
-        if output == "json":
-            echo_json(status_dict(state))
-        else:
-            if watching:
-                console.clear()
-            console.print(render(state, store.endpoint))
+        if output in ("json", "yaml"):
+            emit_document(status_dict(state), output, watching)
+            return
+        if watching and console is not None:
+            console.clear()
+        elif watched[0]:
+            click.echo("")
+        watched[0] += 1
+        print_sections(sections(state, store.endpoint), wide=output == "wide", no_headers=no_headers, console=console)
 
     try:
         watch_loop(endpoints, watch_s, lambda: read_pool(store), show)
