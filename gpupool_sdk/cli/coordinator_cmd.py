@@ -26,7 +26,6 @@ from gpupool_sdk.scheduler.types import MIN_ETCD_MAX_TXN_OPS
 from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
-
 #: Deadline of the metrics endpoint's etcd read (its scrape answers within it, etcd up or not).
 METRICS_READ_TIMEOUT_S = 2.0
 

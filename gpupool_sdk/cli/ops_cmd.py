@@ -20,12 +20,11 @@ import click
 
 from gpupool_sdk.cli.common import (
     EXIT_NOT_FOUND,
-    echo_json,
     endpoints_option,
     etcd_security_options,
-    output_option,
     prefix_option,
 )
+from gpupool_sdk.cli.output import emit_document, output_option
 from gpupool_sdk.cli.status_cmd import open_store
 from gpupool_sdk.resources import GpuInfo
 from gpupool_sdk.store import EtcdSecurity, EtcdStore
@@ -58,16 +57,16 @@ def _node_exists(store: EtcdStore, node: str) -> bool:
 
 
 def _report(output: str, obj: dict[str, Any], line: str) -> None:
-    if output == "json":
-        echo_json(obj)
+    if output in ("json", "yaml"):
+        emit_document(obj, output)
     else:
         click.echo(line)
 
 
 def _not_found(output: str, what: str, obj: dict[str, Any]) -> None:
     msg = f"{what}; check `gpupool status`, or pass --force to record the intent anyway"
-    if output == "json":
-        echo_json({**obj, "error": msg})
+    if output in ("json", "yaml"):
+        emit_document({**obj, "error": msg}, output)
     click.echo(f"error: {msg}", err=True)
     sys.exit(EXIT_NOT_FOUND)
 

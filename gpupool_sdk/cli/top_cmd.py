@@ -19,15 +19,14 @@ from rich.console import Console
 from rich.table import Table
 
 from gpupool_sdk.cli.common import (
-    echo_json,
     endpoints_option,
     etcd_security_options,
-    output_option,
     prefix_option,
     resolve_endpoints,
     watch_loop,
     watch_option,
 )
+from gpupool_sdk.cli.output import emit_document, output_option
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import format_size
 from gpupool_sdk.store.keyspace import Keyspace
@@ -111,7 +110,9 @@ def show_report(
     render_table: Callable[[dict[str, Any], Console], None],
     security: EtcdSecurity | None = None,
 ) -> None:
-    """Read the pool, ``build`` the report document and print it (JSON or tables), once or under ``-w``.
+    """Read the pool, ``build`` the report document and print it (tables, JSON or YAML), once or under ``-w``.
+
+    ``-o wide`` prints the same tables as ``-o table`` (they are already complete).
 
     Malformed values are reported on stderr; an unreachable etcd is handled by
     :func:`~gpupool_sdk.cli.common.watch_loop` (exit 3 once, retried while watching).
@@ -120,8 +121,8 @@ def show_report(
 
     def show(view: PoolView, watching: bool) -> None:
         doc = build(view)
-        if output == "json":
-            echo_json(doc)
+        if output in ("json", "yaml"):
+            emit_document(doc, output, watching)  # under -w: one JSON object per line
         else:
             if watching:
                 console.clear()
@@ -214,7 +215,8 @@ def top(
     Examples:
         gpupool top                 # one table of jobs, one of GPUs
         gpupool top -w 2            # refresh every 2 s until Ctrl-C (an unreachable etcd is retried)
-        gpupool top -o json         # the same as JSON, for scripts
+        gpupool top -o json         # the same as JSON (or -o yaml), for scripts
+        gpupool top -w 5 -o json    # one JSON object per line every 5 s
     """
     prices = load_prices(prices_path)
     show_report(
