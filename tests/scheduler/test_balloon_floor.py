@@ -147,3 +147,22 @@ def test_no_deflate_while_the_guaranteed_job_it_made_room_for_holds_the_gpu(rati
     # The guaranteed job is gone: the quota comes back.
     (d,) = run(snap(pool, [ballooned], now=NOW), cfg)
     assert d.job == "s" and type(d).__name__ == "Deflate"
+
+
+def test_the_demo_layout_under_the_deployment_defaults_preempts_instead_of_a_290_byte_balloon() -> None:
+    """`gpupool demo`'s pool as reported: two A100-40GB, shared etl-low (prio 0) and tuning (prio 3)
+    with 30 GiB each and CPU-sized peaks, then guaranteed urgent (prio 10, 30 GiB), under the
+    policy a deployment runs (DEFAULT_SCHEDULER)."""
+    from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
+
+    pool = gpus("demo-node:2xA100-40GB:nvlink")
+    g0, g1 = pool.values()
+    etl = replace(running(job("etl-low", memory="30GiB", qos="shared", priority=0, peak=CPU_PEAK), [g0]), granted_at=0.0)
+    tuning = replace(running(job("tuning", memory="30GiB", qos="shared", priority=3, peak=CPU_PEAK), [g1]), granted_at=0.0)
+    urgent = job("urgent", memory="30GiB", qos="guaranteed", priority=10, queued_at=NOW)
+    ds = run(snap(pool, [etl, tuning, urgent], now=NOW), DEFAULT_SCHEDULER)
+    assert [(type(d).__name__, d.job) for d in ds] == [("Preempt", "etl-low"), ("Queue", "urgent")], ds
+    # The same pool without the floor is the reported defect.
+    old = replace(DEFAULT_SCHEDULER, balloon_floor_fraction=0.0, balloon_floor_bytes=0)
+    (balloon,) = [d for d in run(snap(pool, [etl, tuning, urgent], now=NOW), old) if isinstance(d, Balloon)]
+    assert balloon.target_bytes < 300
