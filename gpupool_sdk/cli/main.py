@@ -25,6 +25,7 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("gpupool_lightning.demo.cli", "demo"),
     ("gpupool_sdk.cli.simulate_cmd", "simulate"),
     ("gpupool_sdk.cli.metrics_cmd", "metrics"),
+    ("gpupool_sdk.cli.job_cmd", "job"),
 )
 
 
