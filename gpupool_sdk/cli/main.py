@@ -16,6 +16,7 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("gpupool_sdk.cli.agent_cmd", "agent"),
     ("gpupool_sdk.cli.coordinator_cmd", "coordinator"),
     ("gpupool_sdk.cli.status_cmd", "status"),
+    ("gpupool_sdk.cli.place_cmd", "place"),
     ("gpupool_sdk.cli.ops_cmd", "cordon"),
     ("gpupool_sdk.cli.ops_cmd", "uncordon"),
     ("gpupool_sdk.cli.ops_cmd", "drain"),

@@ -168,3 +168,35 @@ def test_a_preemption_reaches_every_member_and_frees_both_nodes(pool: Pool) -> N
     assert "GRANTED node-b/" in out
     assert job_allocs(pool, "ddp") == []
     pool.check()
+
+
+def test_gpupool_place_answers_from_the_live_pool(pool: Pool) -> None:
+    pool.gpus("node-a:2xA100-80GB:pcie,node-b:4xA100-80GB:pcie", agent=False)
+    busy = pool.submit("busy", gpus=1, qos="exclusive", node="node-b")
+    # No coordinator needed for the question; the allocation is written as the leader would.
+    from gpupool_sdk.resources import Allocation, QoS
+
+    uuid = "GPU-sim-node-b-0"
+    pool.store.put(pool.keys.allocation("node-b", uuid, "busy"),
+                   Allocation(job="busy", node="node-b", gpu_uuid=uuid, gpu_index=0, memory_bytes=80 << 30,
+                              compute_share=1.0, mode=QoS.EXCLUSIVE), lease=busy.lease)
+
+    def place(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gpupool_sdk.cli.main", "place", "--endpoints", pool.endpoint,
+             "--prefix", pool.keys.prefix, "-o", "json", *args],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )
+
+    r = place("--gpus", "2", "--memory", "40GiB")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["fits"] and doc["chosen"] == ["node-a"]  # best fit: node-a has exactly 2 free
+    assert [n["node"] for n in doc["ranked"]] == ["node-a", "node-b"]
+    r = place("--gpus-per-node", "3", "--nodes", "2", "--memory", "40GiB")
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert not doc["fits"] and doc["reason"].startswith("only 1 of 2 nodes")
+    assert {u["node"]: u["reason"] for u in doc["unfit"]}["node-a"].startswith("2 of 2 matching GPUs")
+    r = place("--gpus", "3", "--nodes", "2", "--memory", "40GiB")
+    assert r.returncode == 2 and "--gpus" in r.stderr
