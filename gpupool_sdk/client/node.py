@@ -14,6 +14,9 @@ A training process may only use its own machine's GPUs, so every spec it submits
    cannot read, e.g. an agent run by another user);
 5. a pool of exactly one node: that node (one machine, or a single-node test pool).
 
+``PoolClient(node="*")`` (:data:`ANY_NODE`) opts out: specs go without a node and may be granted
+on any node (tools and tests that hold slices without running on them, never a training process).
+
 Anything else, or more than one candidate at the first step that finds any, is a
 :class:`~gpupool_sdk.errors.ConfigError` naming both fixes (``GPUPOOL_NODE`` and the agent).
 :func:`resolve_node` is pure (table-tested); the file and etcd reads are done by the caller.
@@ -41,6 +44,9 @@ from gpupool_sdk.errors import ConfigError
 log = logging.getLogger(__name__)
 
 NODE_ENV = "GPUPOOL_NODE"
+#: ``PoolClient(node=ANY_NODE)`` (or ``GPUPOOL_NODE=*``): submit specs without a node, to be
+#: granted anywhere. For tools and tests that hold slices without running on them.
+ANY_NODE = "*"
 RUNTIME_DIR_ENV = "GPUPOOL_RUNTIME_DIR"
 AGENT_FILE_KIND = "AgentNodes"
 _SCHEMA = 1

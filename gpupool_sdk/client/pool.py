@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gpupool_sdk.client.lease import Lease
+from gpupool_sdk.client.node import ANY_NODE
 from gpupool_sdk.client.protocol import HelperDiedError, unpack_error
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import ConfigError, GpupoolError
@@ -125,7 +126,10 @@ class PoolClient:
         node: the pool node this process runs on: every spec it submits is granted only there
             (``JobSpec.node``), and :attr:`Lease.visible_devices` picks that node's slices.
             Default ``$GPUPOOL_NODE``, else found at the first acquire from the node-local
-            agent (:meth:`local_node`, :mod:`gpupool_sdk.client.node`).
+            agent (:meth:`local_node`, :mod:`gpupool_sdk.client.node`). ``"*"``
+            (:data:`~gpupool_sdk.client.node.ANY_NODE`): specs are submitted without a node
+            and may be granted anywhere, for tools and tests that hold slices without running
+            on them; never for a training process.
         timeout_s: deadline of one etcd call and of a request to the helper.
         telemetry_interval_s: at most one telemetry write per job per this many seconds.
         security: TLS and etcd-auth settings; default :meth:`EtcdSecurity.from_env`
@@ -424,13 +428,16 @@ class PoolClient:
             return self.join(spec, timeout=timeout, on_status=on_status)
         if not spec.is_gang and spec.node is None:
             # Node-local leasing: a process only ever uses its own machine's GPUs.
-            spec = replace(spec, node=self.local_node())
+            here = self.local_node()
+            if here != ANY_NODE:
+                spec = replace(spec, node=here)
         if spec.name in self._routes:
             from gpupool_sdk.client.protocol import JobAlreadyRunningError
 
             raise JobAlreadyRunningError(f"job {spec.name!r} is already held by this client; release() it first")
         self._ensure_helper()
-        lease = Lease(self, spec, lease_id=0, node=spec.node or self._joining.get(spec.name) or self.node or "")
+        mine = spec.node or self._joining.get(spec.name) or self.node
+        lease = Lease(self, spec, lease_id=0, node="" if mine in (None, ANY_NODE) else mine)
         lease._on_status = on_status
         self._routes[spec.name] = lease
         try:

@@ -109,7 +109,7 @@ def test_same_name_while_live_is_an_error_naming_the_lease(etcd_endpoint: str, p
     t.join(30)
     lease = out["lease"]
     assert isinstance(lease, Lease)
-    other = PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=TIMING, in_process=True)
+    other = PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=TIMING, in_process=True, node="node-a")
     with other, pytest.raises(JobAlreadyRunningError, match=f"etcdctl lease timetolive {lease.etcd_lease_hex} --keys"):
         other.acquire(spec(), timeout=5)
     with pytest.raises(JobAlreadyRunningError):

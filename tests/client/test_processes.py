@@ -161,7 +161,7 @@ def test_dataloader_fork_workers_while_a_lease_is_live(
 def test_helper_death_marks_the_lease_lost(etcd_endpoint: str, store: EtcdStore) -> None:
     leader = LeaderStub(store)
     timing = LeaseTiming(ttl_s=5, keepalive_interval_s=1, retry_timeout_s=1.5)
-    with PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=timing) as pool:
+    with PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=timing, node="node-a") as pool:
         box: dict[str, object] = {}
         t = threading.Thread(target=lambda: box.setdefault("lease", pool.acquire(JobSpec(name="j", memory="1GiB"), timeout=60)))
         t.start()
@@ -180,7 +180,7 @@ def test_helper_death_marks_the_lease_lost(etcd_endpoint: str, store: EtcdStore)
 def test_helper_keeps_the_lease_alive_past_its_ttl(etcd_endpoint: str, store: EtcdStore) -> None:
     leader = LeaderStub(store)
     timing = LeaseTiming(ttl_s=2, keepalive_interval_s=0.3, retry_timeout_s=0.5)
-    with PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=timing) as pool:
+    with PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=timing, node="node-a") as pool:
         box: dict[str, object] = {}
         t = threading.Thread(target=lambda: box.setdefault("lease", pool.acquire(JobSpec(name="j", memory="1GiB"), timeout=60)))
         t.start()
@@ -216,7 +216,7 @@ def test_keepalive_failing_beyond_the_ttl_fences_the_lease(tmp_path: Path) -> No
     timing = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
     try:
         leader = LeaderStub(store)
-        with PoolClient(endpoints=server.endpoint, prefix="/fence", timing=timing, timeout_s=1) as pool:
+        with PoolClient(endpoints=server.endpoint, prefix="/fence", timing=timing, timeout_s=1, node="node-a") as pool:
             box: dict[str, object] = {}
             t = threading.Thread(target=lambda: box.setdefault("lease", pool.acquire(JobSpec(name="j", memory="1GiB"), timeout=60)))
             t.start()

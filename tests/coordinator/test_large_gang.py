@@ -39,7 +39,7 @@ def default_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServe
 
 def _pool(endpoint: str, keyspace: Keyspace, tmp_path: Path, request: pytest.FixtureRequest, *flags: str) -> Iterator[tuple[Pool, PoolClient]]:
     pool = Pool(endpoint, keyspace, tmp_path)
-    client = PoolClient(endpoints=endpoint, prefix=keyspace.prefix, timing=JOB_TIMING, in_process=True)
+    client = PoolClient(endpoints=endpoint, prefix=keyspace.prefix, timing=JOB_TIMING, in_process=True, node="*")
     try:
         pool.gpus(SIMULATE)
         pool.coordinator("c1", *flags)
