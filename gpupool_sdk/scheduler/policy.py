@@ -28,16 +28,17 @@ Every pending job gets exactly one Grant, Queue or Reject per cycle.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from gpupool_sdk.resources import DirectiveKind, JobState, QoS
+from gpupool_sdk.resources import DirectiveKind, JobSpec, JobState, QoS
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import SliceRequest, fits, predicted_peak, request_for, unschedulable_reason
 from gpupool_sdk.scheduler.health import health_preemptions, unusable_gpus
-from gpupool_sdk.scheduler.horizon import running_horizon
+from gpupool_sdk.scheduler.horizon import running_horizon, time_dependent_order
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.locality import broken_gangs, gang_problem, node_wait_reason
-from gpupool_sdk.scheduler.ordering import effective_priority, las_rank, order_pending, waited_s
+from gpupool_sdk.scheduler.ordering import effective_priority, las_rank, order_pending, sort_key, waited_s
 from gpupool_sdk.scheduler.placement import holdings_for, place
 from gpupool_sdk.scheduler.preempt import (
     Plan,
@@ -169,6 +170,8 @@ class _Cycle:
     queued: int = 0
     reservations: int = 0
     fail_cache: dict[tuple[object, ...], tuple[int, str]] = field(default_factory=dict)
+    #: failed placements by constraints (see :func:`_no_place_key`): (frees, memory, compute, peak, min_count).
+    no_place: dict[tuple[object, ...], list[tuple[int, int, float, int, int]]] = field(default_factory=dict)
     no_preempt: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
     preempting: dict[str, str | None] = field(default_factory=dict)
     ballooning: dict[str, tuple[int, str | None]] = field(default_factory=dict)
@@ -214,6 +217,14 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
         self._memo = _BuildMemo()
+        #: per pending job, what depends only on its view and the GPU layout (a memo of pure functions,
+        #: reused while the job's spec is the same object and its peak and count are unchanged):
+        #: (spec, peak, count, request, reject or etcd-limit reason).
+        self._pend: dict[str, tuple[JobSpec, int | None, int, SliceRequest, str | None]] = {}
+        self._pend_layout: GpuLayout | None = None
+        #: per pending job without allocations, its sort key while the order does not move with time:
+        #: (spec, attained, remaining, order, key).
+        self._keys: dict[str, tuple[JobSpec, float, float | None, int, tuple[object, ...]]] = {}
 
     def schedule(self, snapshot: ClusterSnapshot) -> list[Decision]:
         """Run one cycle; returns the decisions in the order they should be applied."""
@@ -283,29 +294,39 @@ class Scheduler:
                 cyc.decisions.append(Queue(view.name, "queued: no GPUs published"))
             return ScheduleResult(tuple(cyc.decisions), considered=0)
 
-        self._memo.layout_for(snapshot)
+        layout = self._memo.layout_for(snapshot)
         pool = self._memo.pool
         reject_cache: dict[tuple[object, ...], str | None] = {}
         live: list[tuple[JobView, SliceRequest]] = []
+        old_pend = self._pend if self._pend_layout is layout else {}
+        new_pend: dict[str, tuple[JobSpec, int | None, int, SliceRequest, str | None]] = {}
         for view, count in pending:
+            spec = view.spec
             if count is None:
-                count = min(view.spec.gpus, slice_cap(view.spec, config.etcd_max_txn_ops))
+                count = min(spec.gpus, slice_cap(spec, config.etcd_max_txn_ops))
             gang_wait = gang_problem(view)
             if gang_wait is not None:
                 self._queue(cyc, view, f"queued: {gang_wait}")
                 continue
-            req = request_for(view, config, count)
-            key = req.shape
-            if key not in reject_cache:
-                reject_cache[key] = reject_reason(req, pool, config.overcommit_ratio)
-            why = reject_cache[key] or txn_limit_reason(view.spec, config.etcd_max_txn_ops)
+            hit = old_pend.get(view.name)
+            if hit is not None and hit[0] is spec and hit[1] == view.memory_peak_bytes and hit[2] == count:
+                req, why = hit[3], hit[4]
+            else:
+                req = request_for(view, config, count)
+                key = req.shape
+                if key not in reject_cache:
+                    reject_cache[key] = reject_reason(req, pool, config.overcommit_ratio)
+                why = reject_cache[key] or txn_limit_reason(spec, config.etcd_max_txn_ops)
+            if not spec.is_gang:  # a gang's request depends on its members too
+                new_pend[view.name] = (spec, view.memory_peak_bytes, count, req, why)
             if why is not None:
                 cyc.decisions.append(Reject(view.name, f"impossible: {why}"))
             else:
                 live.append((view, req))
+        self._pend, self._pend_layout = new_pend, layout
 
         by_name = {v.name: (v, r) for v, r in live}
-        ordered = order_pending((v for v, _ in live), now, config)
+        ordered = self._order((v for v, _ in live), now)
         considered = 0
         for view in ordered:
             req = by_name[view.name][1]
@@ -339,7 +360,21 @@ class Scheduler:
         if view.name in cyc.pinned:
             gpus = self._pinned(cyc, req, cyc.pinned[view.name])
         if gpus is None and (cached is None or cached[0] != ledger.frees):
-            gpus = place(ledger, req)
+            # A request at least as large as one that failed since the last free fails too (loads
+            # only grow while a cycle considers pending jobs); not for a job GPUs are held for.
+            generic = view.name not in ledger.blocked_jobs and view.name not in cyc.pinned and not req.per_node
+            nkey = _no_place_key(req) if generic else None
+            failed = cyc.no_place.get(nkey) if nkey is not None else None
+            frees = ledger.frees
+            if not failed or not any(
+                f == frees and m <= req.memory and c <= req.compute and p <= req.peak and n <= req.min_count
+                for f, m, c, p, n in failed
+            ):
+                gpus = place(ledger, req)
+                if gpus is None and nkey is not None:
+                    entries = [e for e in (failed or ()) if e[0] == frees]
+                    entries.append((frees, req.memory, req.compute, req.peak, req.min_count))
+                    cyc.no_place[nkey] = entries
         if gpus is not None:
             self._grant(cyc, view, req, gpus)
             return
@@ -392,6 +427,37 @@ class Scheduler:
             else:
                 cyc.until = min(cyc.until, now + config.reserve_after_s - waited)
         self._queue(cyc, view, reason)
+
+    def _order(self, views: Iterable[JobView], now: float) -> list[JobView]:
+        """:func:`order_pending`, with each pending job's key kept from cycle to cycle while the order
+        does not move with time and the job's spec, attained and remaining service are unchanged."""
+        config = self.config
+        if time_dependent_order(config):
+            self._keys = {}
+            return order_pending(views, now, config)
+        old = self._keys
+        new: dict[str, tuple[JobSpec, float, float | None, int, tuple[object, ...]]] = {}
+        keyed: list[tuple[tuple[object, ...], JobView]] = []
+        for v in views:
+            if v.allocations:  # a resized job re-placed: its rank uses the compute it holds
+                keyed.append((sort_key(v, now, config), v))
+                continue
+            hit = old.get(v.name)
+            if (
+                hit is not None
+                and hit[0] is v.spec
+                and hit[1] == v.attained_gpu_s
+                and hit[2] == v.remaining_s
+                and hit[3] == v.order
+            ):
+                key = hit[4]
+            else:
+                key = sort_key(v, now, config)
+            new[v.name] = (v.spec, v.attained_gpu_s, v.remaining_s, v.order, key)
+            keyed.append((key, v))
+        self._keys = new
+        keyed.sort(key=lambda kv: kv[0])
+        return [v for _, v in keyed]
 
     def _pinned(self, cyc: _Cycle, req: SliceRequest, keep: list[int]) -> list[int] | None:
         """The GPUs a shrunk job kept, when each still takes a slice of ``req`` (else None: it is
@@ -796,6 +862,14 @@ def _regrow(ledger: Ledger, name: str, req: SliceRequest, have: int) -> list[Hol
     held = holdings_for(ledger, req, gpus)
     ledger.reserve(name, held, req.anti_affinity)
     return held
+
+
+def _no_place_key(req: SliceRequest) -> tuple[object, ...]:
+    """What a placement failure is keyed by for the dominance check in ``_consider``: everything
+    but the sizes (memory, compute, peak, count), in which failing is monotone (a larger request
+    has a subset of the candidate GPUs, and placement fails only when fewer than ``min_count``
+    candidates, or distinct nodes for ``spread``, take a slice)."""
+    return (req.qos, req.features, req.gpu_model, req.topology, req.anti_affinity, req.nodes)
 
 
 def _worth_trying(known: tuple[int, float] | None, frees: int, prio: float) -> bool:
