@@ -51,6 +51,8 @@ class LeaseKeeper:
         self._lease_id = lease_id
         self._stop = threading.Event()
         self._lost = threading.Event()
+        # etcd itself said the lease is gone (as opposed to a step-down before it could expire).
+        self._gone = False
         self._lost_reason: GpupoolError | None = None
         self._thread: threading.Thread | None = None
         self._last_ok = 0.0
@@ -131,6 +133,7 @@ class LeaseKeeper:
                 self.refreshes += 1
                 next_at = sent + interval
             except LeaseLostError as exc:
+                self._gone = True
                 if not self._stop.is_set():
                     self._declare_lost(exc)
                 return
@@ -166,7 +169,9 @@ class LeaseKeeper:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.timing.retry_timeout_s + self.store.timeout_s + 1.0)
-        if revoke and self._lease_id is not None and not self._lost.is_set():
+        # A lease given up by a step-down may still live in etcd (an etcd restart even restarts its
+        # TTL): revoke it too, unless etcd already said it is gone.
+        if revoke and self._lease_id is not None and not self._gone:
             try:
                 self.store.revoke_lease(self._lease_id)
             except GpupoolError as exc:
