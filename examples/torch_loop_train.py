@@ -25,7 +25,7 @@ from gpupool_torch import PoolSession
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", default=None)
-    p.add_argument("--memory", default="1GiB")
+    p.add_argument("--memory", default=None, help="memory per slice, e.g. 1GiB (under gpupool run: its --memory)")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--step-sleep", type=float, default=0.0)

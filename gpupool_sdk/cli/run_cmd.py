@@ -54,6 +54,7 @@ from gpupool_sdk.runtime.env import (
     RUN_SOCKET_ENV,
     derive_job_name,
 )
+from gpupool_sdk.store.records import JobResult
 from gpupool_sdk.store.security import EtcdSecurity
 
 _PYTHONS = re.compile(r"^(python[0-9.]*|pypy[0-9.]*)$")
@@ -136,6 +137,8 @@ def _stop_child(proc: subprocess.Popen[Any], grace_s: float = 30.0, signum: int 
               help="Restart a crashed script (non-zero exit, killed by a signal) this many times from its newest "
                    "checkpoint, with backoff. Preemptions do not count.")
 @click.option("--max-preemptions", type=int, default=100, show_default=True, help="Give up after this many preemptions.")
+@click.option("--retention", "retention_s", type=float, default=86400.0, show_default=True,
+              help="Seconds a FAILED result stays listed in `gpupool status` (results/{job}, on its own lease).")
 @click.option("--grace", "grace_s", type=float, default=30.0, show_default=True,
               help="Seconds the script gets to checkpoint after the launcher forwards SIGTERM/SIGINT/SIGUSR1.")
 @endpoints_option
@@ -157,6 +160,7 @@ def run(
     acquire_timeout: float | None,
     max_restarts: int,
     max_preemptions: int,
+    retention_s: float,
     grace_s: float,
     endpoints: str | None,
     security: EtcdSecurity,
@@ -179,6 +183,8 @@ def run(
             raise ConfigError(flag, f"must be >= 0, got {value}")
     if not (math.isfinite(grace_s) and grace_s > 0):
         raise ConfigError("--grace", f"must be a positive number of seconds, got {grace_s}")
+    if not (math.isfinite(retention_s) and retention_s >= 1):
+        raise ConfigError("--retention", f"must be at least 1 second, got {retention_s}")
     if acquire_timeout is not None and not (math.isfinite(acquire_timeout) and acquire_timeout > 0):
         raise ConfigError(
             "--acquire-timeout", f"must be a positive number of seconds, got {acquire_timeout}; omit it to wait indefinitely"
@@ -204,7 +210,7 @@ def run(
     )
     sys.exit(run_job(spec, list(command), endpoints=endpoints, prefix=prefix, checkpoint_dir=checkpoint_dir,
                      acquire_timeout=acquire_timeout, max_restarts=max_restarts, max_preemptions=max_preemptions,
-                     grace_s=grace_s, security=security))
+                     grace_s=grace_s, security=security, retention_s=retention_s))
 
 
 #: Signals the launcher forwards to the script's process group as "checkpoint and stop".
@@ -224,6 +230,7 @@ def run_job(
     echo: Any = None,
     security: EtcdSecurity | None = None,
     backoff_s: float = 1.0,
+    retention_s: float = 86400.0,
 ) -> int:
     """The loop behind ``gpupool run``: acquire, run, re-queue on exit 75 or lease loss, restart crashes.
 
@@ -326,11 +333,16 @@ def run_job(
             lease = None
             if rc == 0:
                 say("finished with exit code 0")
+                with contextlib.suppress(Exception):
+                    _clear_result(endpoints, prefix, security, spec.name)
                 return 0
             crashes += 1
             if crashes > max_restarts:
                 say(f"failed: {describe_exit(rc)}; --max-restarts {max_restarts} spent")
-                _record_failure(client, spec.name, rc, crashes)
+                _record_result(endpoints, prefix, security, JobResult(
+                    job=spec.name, state="FAILED", exit_code=shell_code(rc),
+                    reason=f"{describe_exit(rc)} after {crashes} attempts (--max-restarts {max_restarts})",
+                    attempts=crashes, finished_at=time.time()), retention_s, say)
                 return shell_code(rc)
             delay = min(60.0, backoff_s * 2 ** (crashes - 1))
             say(f"crashed ({describe_exit(rc)}); restart {crashes}/{max_restarts} in {delay:.0f}s from the newest checkpoint")
@@ -370,10 +382,30 @@ def _wait(proc: subprocess.Popen[Any], stop_signal: list[int], grace_s: float) -
             return _stop_child(proc, 0.0, signal.SIGKILL)
 
 
-def _record_failure(client: Any, job: str, rc: int, attempts: int) -> None:
-    """Leave a FAILED record for ``gpupool status`` (kept for the retention time); best effort."""
-    record = getattr(client, "record_failure", None)
-    if record is None:
-        return
-    with contextlib.suppress(Exception):
-        record(job, f"{describe_exit(rc)} after {attempts} attempts", exit_code=shell_code(rc))
+def _clear_result(endpoints: str | None, prefix: str | None, security: EtcdSecurity | None, job: str) -> None:
+    """A finished run removes an earlier FAILED result of the same name."""
+    from gpupool_sdk.store import EtcdStore
+    from gpupool_sdk.store.keyspace import Keyspace
+
+    store = EtcdStore(endpoints, keyspace=Keyspace.from_env(prefix), security=security)
+    try:
+        store.delete(store.keys.result(job))
+    finally:
+        store.close()
+
+
+def _record_result(endpoints: str | None, prefix: str | None, security: EtcdSecurity | None, result: JobResult,
+                   retention_s: float, say: Any) -> None:
+    """Leave ``results/{job}`` for ``gpupool status`` on a lease of ``retention_s``; best effort."""
+    from gpupool_sdk.store import EtcdStore
+    from gpupool_sdk.store.keyspace import Keyspace
+
+    try:
+        store = EtcdStore(endpoints, keyspace=Keyspace.from_env(prefix), security=security)
+        try:
+            lease = store.grant_lease(retention_s)
+            store.put(store.keys.result(result.job), result, lease=lease)
+        finally:
+            store.close()
+    except Exception as exc:  # noqa: BLE001 - the exit code still tells
+        say(f"could not record the result in etcd ({exc})")

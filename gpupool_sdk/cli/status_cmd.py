@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import click
@@ -30,7 +31,7 @@ from gpupool_sdk.cli.output import (
     print_sections,
 )
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
-from gpupool_sdk.resources import JobState, format_size
+from gpupool_sdk.resources import GpuInfo, JobState, format_size
 from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
@@ -85,6 +86,22 @@ def orphan_allocations(state: PoolState) -> list[dict[str, Any]]:
     ]
 
 
+def sharing_mechanism(gpu: GpuInfo, holders: Sequence[str], gated: Collection[str]) -> str:
+    """How the compute shares of a GPU's jobs are enforced: ``none``, ``mps`` or ``timeslice``.
+
+    ``mps`` when the agent runs an MPS control daemon for the GPU (jobs get MPS limits from their
+    grants), else ``timeslice`` when at least two of its jobs run a time-slicing gate, else
+    ``none`` (one job, or shares not enforced).
+    """
+    if len(set(holders)) < 2:
+        return "none"
+    if gpu.mps_pipe_dir:
+        return "mps"
+    if len(set(holders) & set(gated)) >= 2:
+        return "timeslice"
+    return "none"
+
+
 def status_dict(state: PoolState) -> dict[str, Any]:
     """The pool as a JSON-ready mapping (what ``-o json`` prints)."""
     snap = state.snapshot
@@ -111,6 +128,9 @@ def status_dict(state: PoolState) -> dict[str, Any]:
                 "draining": g.node in snap.draining,
                 "nvlink_island": g.nvlink_island,
                 "simulated": g.simulated,
+                "mig_profile": g.mig_profile,
+                "mig_parent": g.mig_parent,
+                "sharing": sharing_mechanism(g, holders.get(g.uuid, []), state.timeslice_members.get(g.uuid, ())),
             }
         )
     node_names = sorted(set(state.nodes) | {g.node for g in snap.gpus.values()} | set(snap.draining))
@@ -177,6 +197,8 @@ def status_dict(state: PoolState) -> dict[str, Any]:
             "drains": {k: _intent(v) for k, v in sorted(state.drains.items())},
         },
         "problems": [{"key": p.key, "message": p.message} for p in state.problems],
+        # Jobs that left: how they ended (a FAILED run under `gpupool run`, kept for its retention).
+        "results": [r.to_dict() for r in sorted(state.results.values(), key=lambda r: -r.finished_at)],
     }
 
 
@@ -202,7 +224,8 @@ def sections(state: PoolState, endpoint: str) -> list[TableSpec | str]:
     parts.append(nodes if d["nodes"] else "no nodes: start `gpupool agent` on each GPU machine")
 
     gpus = TableSpec(
-        ["NODE", "IDX", "UUID", "MODEL", "MEMORY", "USED", "JOBS", "HEALTH", "SCHED", "ISLAND", "SIMULATED"], [], "GPUs",
+        ["NODE", "IDX", "UUID", "MODEL", "MEMORY", "USED", "JOBS", "SHARING", "HEALTH", "SCHED", "ISLAND", "SIMULATED"],
+        [], "GPUs",
         wide=frozenset({"ISLAND", "SIMULATED"}),
     )
     for g in d["gpus"]:
@@ -212,8 +235,9 @@ def sections(state: PoolState, endpoint: str) -> list[TableSpec | str]:
         else:
             sched = "draining" + _why(d["intents"]["drains"].get(g["node"])) if g["draining"] else "-"
         gpus.rows.append([
-            g["node"], str(g["index"]), g["uuid"], g["model"], format_size(g["memory_bytes"]),
-            format_size(g["used_memory_bytes"]), ",".join(g["jobs"]) or "-", health, sched,
+            g["node"], str(g["index"]), g["uuid"], g["model"] + (f" MIG {g['mig_profile']}" if g["mig_profile"] else ""),
+            format_size(g["memory_bytes"]), format_size(g["used_memory_bytes"]), ",".join(g["jobs"]) or "-", g["sharing"],
+            health, sched,
             "-" if g["nvlink_island"] is None else str(g["nvlink_island"]), "yes" if g["simulated"] else "no",
         ])
     if d["gpus"]:

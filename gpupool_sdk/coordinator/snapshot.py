@@ -48,7 +48,7 @@ from gpupool_sdk.resources import (
 from gpupool_sdk.scheduler.types import ClusterSnapshot, JobView
 from gpupool_sdk.store.codec import decode, decode_dict
 from gpupool_sdk.store.keyspace import Keyspace, ParsedKey
-from gpupool_sdk.store.records import ResumeRecord
+from gpupool_sdk.store.records import JobResult, ResumeRecord
 from gpupool_sdk.store.types import KeyValue
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,9 @@ class PoolState:
         cordons: operator intent bodies by GPU UUID (reason, by, at), ``{}`` when unreadable.
         drains: operator intent bodies by node.
         problems: keys that could not be used, with the reason.
+        timeslice_members: per GPU UUID, the jobs that run a time-slicing gate on it
+            (``timeslice/{node}/{gpu}/members/{job}``; shown by ``gpupool status``, not scheduled on).
+        results: ``results/{job}``: how jobs that left ended (FAILED under ``gpupool run``), by job.
     """
 
     snapshot: ClusterSnapshot
@@ -143,7 +146,9 @@ class PoolState:
     usage: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     cordons: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     drains: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    timeslice_members: Mapping[str, frozenset[str]] = field(default_factory=dict)
     problems: tuple[Problem, ...] = ()
+    results: Mapping[str, JobResult] = field(default_factory=dict)
 
 
 def _peak_from_telemetry(body: Mapping[str, Any] | None) -> int | None:
@@ -257,6 +262,8 @@ def build_state(
     telemetry: dict[str, Mapping[str, Any]] = {}
     resumes: dict[str, ResumeRecord] = {}
     usage: dict[str, Mapping[str, Any]] = {}
+    results: dict[str, JobResult] = {}
+    timeslice: dict[str, set[str]] = {}
     cordons: dict[str, Mapping[str, Any]] = {}
     drains: dict[str, Mapping[str, Any]] = {}
     leader: LeaderRecord | None = None
@@ -331,6 +338,10 @@ def build_state(
                 resumes[parts[0]] = parse(kv, ResumeRecord)
             elif kind == "usage":
                 usage[parts[0]] = parse_dict(kv)
+            elif kind == "results":
+                results[parts[0]] = parse(kv, JobResult)
+            elif kind == "timeslice.member":
+                timeslice.setdefault(parts[1], set()).add(parts[2])
             elif kind == "leader":
                 leader = parse(kv, LeaderRecord)
                 leader_rev = kv.create_revision
@@ -505,4 +516,6 @@ def build_state(
         cordons=cordons,
         drains=drains,
         problems=tuple(problems),
+        timeslice_members={g: frozenset(js) for g, js in timeslice.items()},
+        results=results,
     )

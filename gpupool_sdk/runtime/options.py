@@ -66,13 +66,21 @@ def _signal_numbers(names: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _spec_comes_from_elsewhere() -> bool:
+    """Under ``gpupool run`` (the launcher's flags are the spec) or on a follower rank (rank 0's grant)."""
+    from gpupool_sdk.runtime.env import RUN_SOCKET_ENV, process_rank
+
+    return bool(os.environ.get(RUN_SOCKET_ENV)) or process_rank() != 0
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     """How a training process uses the pool (every adapter's keyword arguments).
 
     Attributes:
         gpus: slices wanted.
-        memory: memory per slice (``"20GiB"``, ``"20Gi"`` or bytes); required unless ``qos="exclusive"``.
+        memory: memory per slice (``"20GiB"``, ``"20Gi"`` or bytes); required unless ``qos="exclusive"``,
+            under ``gpupool run`` (whose ``--memory`` is the spec) or on a rank other than 0.
         qos: ``"shared"`` (default), ``"guaranteed"`` or ``"exclusive"``.
         priority: higher runs first and may preempt lower.
         name: job name; default ``$GPUPOOL_JOB`` or the script's file name. A job restarted
@@ -161,7 +169,7 @@ class RuntimeOptions:
         ckdir = self.checkpoint_dir
         if ckdir is not None and (not isinstance(ckdir, (str, os.PathLike)) or not str(ckdir)):
             raise ConfigError("checkpoint_dir", f"must be a directory path, got {ckdir!r}")
-        if self.memory is None and self.qos != "exclusive":
+        if self.memory is None and self.qos != "exclusive" and not _spec_comes_from_elsewhere():
             raise ConfigError(
                 "memory", f"{self.qos} jobs must say how much GPU memory per slice they need, e.g. memory='20GiB'"
             )

@@ -162,6 +162,13 @@ class Keyspace:
     def usage_prefix(self) -> str:
         return self._k("usage", "")
 
+    # How a job's last run under `gpupool run` ended (FAILED, DONE), on a retention lease of its own.
+    def result(self, job: str) -> str:
+        return self._k("results", _seg(job, "job"))
+
+    def results_prefix(self) -> str:
+        return self._k("results", "")
+
     # Step-level time-slicing (client/timeslice_keeper.py).
     def timeslice_prefix(self, node: str, gpu_uuid: str) -> str:
         return self._k("timeslice", _seg(node, "node"), _seg(gpu_uuid, "gpu_uuid"), "")
@@ -203,6 +210,7 @@ class Keyspace:
             "telemetry": 1,
             "checkpoints": 1,
             "usage": 1,
+            "results": 1,
         }
         if head in ("leader", "term", "autoscale") and not rest:
             return ParsedKey(head, ())

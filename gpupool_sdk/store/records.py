@@ -4,6 +4,9 @@
   restarted under the same name resumes from.
 * :class:`TelemetryRecord` (``telemetry/{job}``, written by the client, on the job's lease): the
   job's latest phase-aware summary.
+* :class:`JobResult` (``results/{job}``, written by ``gpupool run`` on a lease of the retention
+  time): how the job's last run ended, so that ``gpupool status`` lists FAILED jobs after their
+  own keys are gone.
 """
 
 from __future__ import annotations
@@ -76,3 +79,43 @@ class TelemetryRecord:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "telemetry") -> TelemetryRecord:
         return cls(job=req(d, "job", str, where), at=opt(d, "at", float, where, 0.0), summary=opt(d, "summary", dict, where, {}))
+
+
+#: Result states a launcher records.
+RESULT_STATES = ("DONE", "FAILED")
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """The value of ``results/{job}``: how the job's last run ended.
+
+    Attributes:
+        job: the job name.
+        state: ``"DONE"`` or ``"FAILED"``.
+        exit_code: the launcher's exit code (128+N for a death by signal N).
+        reason: what happened (``"killed by SIGKILL after 4 attempts"``).
+        attempts: how many times the script ran.
+        finished_at: wall-clock time it ended.
+    """
+
+    job: str
+    state: str
+    exit_code: int = 0
+    reason: str = ""
+    attempts: int = 1
+    finished_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "state": self.state, "exit_code": self.exit_code, "reason": self.reason,
+                "attempts": self.attempts, "finished_at": self.finished_at}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "result") -> JobResult:
+        from gpupool_sdk.errors import SpecError
+
+        state = req(d, "state", str, where)
+        if state not in RESULT_STATES:
+            raise SpecError(f"{where}.state", f"must be one of {', '.join(RESULT_STATES)}, got {state!r}")
+        return cls(job=req(d, "job", str, where), state=state, exit_code=opt(d, "exit_code", int, where, 0),
+                   reason=opt(d, "reason", str, where, ""), attempts=opt(d, "attempts", int, where, 1),
+                   finished_at=opt(d, "finished_at", float, where, 0.0))

@@ -39,13 +39,16 @@ def test_revoked_lease_stops_training_with_a_clear_error_and_emergency_checkpoin
     assert list((live_pool.tmp / "ckpt").glob("victim-emergency-step*.ckpt")), log
 
 
-def test_gpupool_run_ctrl_c_stops_the_script_and_releases(live_pool: LivePool) -> None:
+def test_gpupool_run_ctrl_c_checkpoints_the_script_and_releases(live_pool: LivePool) -> None:
     live_pool.start("node-a:1xA100-40GB")
     run = live_pool.run("job", ["--name", "job", "--memory", "30GiB"], "--epochs", "50", "--step-sleep", "0.1")
     wait_for(lambda: training(live_pool, "job"), what="the job to train")
     assert live_pool.allocations("job")
     os.killpg(run.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole foreground group
-    assert live_pool.wait_exit(run, "job") == 130, live_pool.log("job")
+    # SIGINT is a preemption: the script checkpoints at its next step, exits 75, the launcher too.
+    assert live_pool.wait_exit(run, "job") == 75, live_pool.log("job")
+    assert "checkpointed; exit 75" in live_pool.log("job")
+    assert list((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt"))
     wait_for(lambda: not live_pool.allocations("job") and live_pool.status("job") is None,
              what="the job's slices and status to be released")
 

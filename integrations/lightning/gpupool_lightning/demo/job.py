@@ -103,7 +103,7 @@ def job_arguments(description: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", default=None, help="job name (default: $GPUPOOL_JOB or the script name)")
     p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--memory", default="1GiB")
+    p.add_argument("--memory", default=None, help="memory per slice, e.g. 1GiB (under gpupool run: its --memory)")
     p.add_argument("--qos", default="shared")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--epochs", type=int, default=2)
