@@ -329,9 +329,11 @@ def handle_request(helper: Helper, op: str, req_id: int, msg: dict[str, Any]) ->
         joined_at=time.time(),
     )
     members = helper.gang_members
-    old = members.get(spec.name)
-    if old is not None and not old.ended:
-        raise JobAlreadyRunningError(f"this client already joined gang {spec.name!r}; release() it first")
+    old = members.pop(spec.name, None)
+    if old is not None:
+        # The client checks that it holds no live lease of this job: an earlier membership left
+        # behind (its job's lease was lost and never released) is over; leave it first.
+        old.end()
     session = MemberSession(helper, spec, member, follow=bool(msg.get("follow")))
     members[spec.name] = session
     try:
