@@ -29,6 +29,7 @@ from typing import Any
 from gpupool_sdk.client.lease import Lease
 from gpupool_sdk.client.node import ANY_NODE
 from gpupool_sdk.client.protocol import HelperDiedError, unpack_error
+from gpupool_sdk.client.waiting import WaitReporter
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import ConfigError, GpupoolError
 from gpupool_sdk.resources import Checkpoint, JobSpec, JobStatus
@@ -440,6 +441,7 @@ class PoolClient:
         lease = Lease(self, spec, lease_id=0, node="" if mine in (None, ANY_NODE) else mine)
         lease._on_status = on_status
         self._routes[spec.name] = lease
+        reporter = self._explain_waiting(lease)
         try:
             # The helper enforces the grant timeout (and revokes); allow it time to answer.
             # (One etcd call in flight at the deadline may still take up to a few timeout_s.)
@@ -452,10 +454,20 @@ class PoolClient:
                 with contextlib.suppress(GpupoolError):
                     self._send({"op": "release", "job": spec.name, "id": -1})
             raise
+        finally:
+            reporter.stop()
         # The helper sent the granted state before this reply, so the lease already holds it.
         lease._granted(int(result["lease_id"]))
         self._leases[spec.name] = lease
         return lease
+
+    def _explain_waiting(self, lease: Lease) -> WaitReporter:
+        """Log why ``lease``'s job waits (no GPUs, no leader, the PENDING reason) until it is granted."""
+
+        def nodes() -> list[str]:
+            return [n.name for n in self._request({"op": "nodes"}, timeout=max(5.0, self.timeout_s))]
+
+        return WaitReporter(lease.job, lambda: lease.status, nodes).start()
 
     def local_node(self) -> str:
         """The pool node this process runs on (see :mod:`gpupool_sdk.client.node`); found once.
