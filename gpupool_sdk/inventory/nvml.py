@@ -10,6 +10,13 @@ What is read, and when:
   check with ``nvmlDeviceGetP2PStatus(..., NVLINK)``; GPUs whose active links end on an
   NVSwitch are one all-to-all fabric), PCIe grouping (``nvmlDeviceGetTopologyCommonAncestor``:
   GPUs whose common ancestor is at most a PCIe switch share ``pcie_path``).
+- **On every refresh** (MIG): a GPU whose current MIG mode is enabled
+  (``nvmlDeviceGetMigMode``) is not published itself (CUDA work runs only inside its instances);
+  each existing instance (``nvmlDeviceGetMigDeviceHandleByIndex`` up to
+  ``nvmlDeviceGetMaxMigDeviceCount``) is, with its ``MIG-`` UUID, memory, SM count and profile
+  (``{gi}g.{GiB rounded up}gb``, ``{ci}c.`` in front when the compute instance is smaller than the
+  GPU instance, from ``nvmlDeviceGetAttributes``). Read on every refresh, so instances an operator
+  creates or destroys (``gpupool mig``) appear and vanish without an agent restart.
 - **On every refresh** (health): temperature, power, volatile uncorrectable ECC count, and XID
   events drained from an event set with a 0 ms wait. Fatal XIDs are remembered until the agent
   restarts (a fatal XID needs a GPU reset, after which the agent is restarted anyway).
@@ -40,6 +47,7 @@ from typing import Any
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.inventory.catalog import GpuModel, match_nvml_name
 from gpupool_sdk.inventory.health import HealthSample, HealthThresholds, judge_health
+from gpupool_sdk.inventory.mig import mig_instance
 from gpupool_sdk.resources.gpu import GpuInfo, NodeInfo
 
 log = logging.getLogger(__name__)
@@ -158,7 +166,7 @@ class NvmlBackend:
             name=self._node,
             hostname=socket.gethostname(),
             agent_pid=os.getpid(),
-            gpu_count=len(self._devices),
+            gpu_count=sum(len(m) if (m := self._mig_instances(d)) is not None else 1 for d in self._devices),
             backend=self.kind,
             started_at=self._started_at,
             driver_version=_text(self._driver_version),
@@ -172,7 +180,47 @@ class NvmlBackend:
             health = judge_health(sample, self._thresholds)
             peers = tuple(self._devices[j].uuid for j in sorted(self._peers[d.pos]))
             island = self._islands[d.pos]
-            out.append(self._info(d, peers, island, health))
+            info = self._info(d, peers, island, health)
+            instances = self._mig_instances(d)
+            if instances is None:
+                out.append(info)
+            else:
+                out.extend(mig_instance(info, *inst) for inst in instances)
+        return out
+
+    def mig_enabled(self, index: int) -> bool:
+        """True when GPU ``index``'s current MIG mode is enabled."""
+        d = next((d for d in self._devices if d.index == index), None)
+        return d is not None and self._mig_instances(d) is not None
+
+    # ------------------------------------------------------------------------------------ MIG
+
+    def _mig_instances(self, d: _Device) -> list[tuple[str, str, int, int]] | None:
+        """``(profile, uuid, memory_bytes, sm_count)`` of each instance; None when MIG mode is off."""
+        nv = self._nvml
+        if not hasattr(nv, "nvmlDeviceGetMigMode"):
+            return None
+        mode = self._opt(d.uuid, "mig_mode", lambda: nv.nvmlDeviceGetMigMode(d.handle))
+        if mode is None or int(mode[0]) != 1:  # NVML_DEVICE_MIG_ENABLE
+            return None
+        top = self._opt(d.uuid, "mig_device_count", lambda: nv.nvmlDeviceGetMaxMigDeviceCount(d.handle)) or 0
+        out = []
+        for k in range(int(top)):
+            try:
+                h = nv.nvmlDeviceGetMigDeviceHandleByIndex(d.handle, k)
+            except nv.NVMLError:
+                continue  # an empty slot (NotFound)
+            uuid = _text(self._opt(d.uuid, f"mig{k}_uuid", lambda h=h: nv.nvmlDeviceGetUUID(h)) or "")
+            if not uuid:
+                continue
+            mem = self._opt(uuid, "memory", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h))
+            attrs = self._opt(uuid, "attributes", lambda h=h: nv.nvmlDeviceGetAttributes(h))
+            memory_bytes = int(mem.total) if mem is not None else 0
+            sms = int(getattr(attrs, "multiprocessorCount", 0) or 0)
+            gi = int(getattr(attrs, "gpuInstanceSliceCount", 0) or 0)
+            ci = int(getattr(attrs, "computeInstanceSliceCount", 0) or 0)
+            mem_mib = int(getattr(attrs, "memorySizeMB", 0) or 0) or memory_bytes // (1 << 20)
+            out.append((mig_profile_name(gi, ci, mem_mib), uuid, memory_bytes or mem_mib << 20, sms))
         return out
 
     def close(self) -> None:
@@ -459,6 +507,21 @@ class NvmlBackend:
             nv.nvmlShutdown()
         except nv.NVMLError as exc:
             log.debug("nvmlShutdown failed: %s", exc)
+
+
+def mig_profile_name(gpu_slices: int, compute_slices: int, memory_mib: int) -> str:
+    """The nvidia-smi name of a MIG instance from its attributes: ``3g.40gb``, ``1c.3g.40gb``.
+
+    The memory figure is the instance's memory in GiB rounded up (a 3g.40gb instance of an
+    A100 80GB has 40192 MiB). The ``+me`` media-extension variants are named as their base profile.
+
+    Example:
+        >>> mig_profile_name(3, 3, 40192), mig_profile_name(3, 1, 40192), mig_profile_name(1, 1, 4864)
+        ('3g.40gb', '1c.3g.40gb', '1g.5gb')
+    """
+    gb = -(-memory_mib // 1024)
+    name = f"{gpu_slices}g.{gb}gb"
+    return f"{compute_slices}c.{name}" if 0 < compute_slices < gpu_slices else name
 
 
 def nvml_available(nvml: Any = None) -> bool:

@@ -3,7 +3,7 @@
 Grammar (whitespace around pieces is ignored, model names are case-insensitive)::
 
     spec      := node ("," node)*
-    node      := [name ":"] [repeat "*"] count "x" model [":" topology]
+    node      := [name ":"] [repeat "*"] count "x" model [":" topology] [":mig=" profile ("+" profile)*]
     topology  := "nvlink" | "nvlink=" islands "x" size | "pcie"
 
 Examples:
@@ -13,6 +13,9 @@ Examples:
 - ``node-a:4xH100-80GB:nvlink,node-b:8xA100-40GB:pcie`` -- two named nodes.
 - ``8xH100:nvlink=2x4`` -- two NVLink islands of four GPUs (islands x size must equal count).
 - ``16*8xV100-32GB:nvlink`` -- sixteen identical nodes.
+- ``node-a:1xA100-80GB:mig=3g.40gb+3g.40gb`` -- one A100 in MIG mode with two 3g.40gb
+  instances, published as two GPUs ``MIG-sim-node-a-0-0`` and ``MIG-sim-node-a-0-1`` (every GPU
+  of the node gets the same layout; see :mod:`gpupool_sdk.inventory.mig`).
 
 Node names:
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 
 from gpupool_sdk.errors import SpecError
 from gpupool_sdk.inventory.catalog import GpuModel, lookup_model
+from gpupool_sdk.inventory.mig import MigProfile, parse_layout, simulated_instances
 from gpupool_sdk.resources.gpu import GpuInfo
 
 FIELD = "simulate"
@@ -68,6 +72,7 @@ class NodeDecl:
     model: GpuModel
     count: int
     islands: tuple[int, ...]
+    mig: tuple[MigProfile, ...] = ()
 
     def gpus(self) -> list[GpuInfo]:
         """The node's GPUs with synthesised UUIDs, NVLink islands, PCIe switches and NUMA nodes."""
@@ -97,6 +102,8 @@ class NodeDecl:
                     simulated=True,
                 )
             )
+        if self.mig:
+            return [inst for g in out for inst in simulated_instances(g, self.mig)]
         return out
 
 
@@ -137,7 +144,7 @@ def parse_nodes(spec: str, default_node: str | None = None, auto_base: str | Non
     auto_total = sum((p[1] or 1) for p in parsed if p[0] is None)
     nodes: list[NodeDecl] = []
     seen: dict[str, str] = {}
-    for (name, repeat, count, model, islands), piece in zip(parsed, pieces, strict=True):
+    for (name, repeat, count, model, islands, mig), piece in zip(parsed, pieces, strict=True):
         if single:
             names = [default_node or f"{auto_base}-00"]
         elif name is not None and repeat is None:
@@ -157,7 +164,7 @@ def parse_nodes(spec: str, default_node: str | None = None, auto_base: str | Non
                     "give each piece its own name, e.g. 'node-a:4xH100,node-b:4xH100'",
                 )
             seen[node] = piece
-            nodes.append(NodeDecl(node, model, count, islands))
+            nodes.append(NodeDecl(node, model, count, islands, mig))
     return nodes
 
 
@@ -190,8 +197,12 @@ def _width(n: int) -> int:
 
 def _parse_piece(
     piece: str, where: str
-) -> tuple[str | None, int | None, int, GpuModel, tuple[int, ...]]:
+) -> tuple[str | None, int | None, int, GpuModel, tuple[int, ...], tuple[MigProfile, ...]]:
     parts = [p.strip() for p in piece.split(":")]
+    mig_parts = [p for p in parts if p.lower().startswith("mig=")]
+    parts = [p for p in parts if not p.lower().startswith("mig=")]
+    if len(mig_parts) > 1:
+        raise SpecError(where, "declares the MIG layout twice; write one ':mig=PROFILE+PROFILE...'")
     name: str | None = None
     if not _LOOKS_LIKE_GROUP_RE.match(parts[0]):
         name = parts.pop(0)
@@ -220,7 +231,10 @@ def _parse_piece(
     model = lookup_model(m.group("model"), field_name=where)
     topo = parts[1].lower() if len(parts) == 2 else None
     islands = _parse_topology(topo, count, model, where)
-    return name, repeat, count, model, islands
+    mig: tuple[MigProfile, ...] = ()
+    if mig_parts:
+        mig = parse_layout(mig_parts[0][len("mig=") :], model.name, model.memory_bytes, where)
+    return name, repeat, count, model, islands, mig
 
 
 def _parse_topology(topo: str | None, count: int, model: GpuModel, where: str) -> tuple[int, ...]:

@@ -10,6 +10,17 @@ from gpupool_sdk.resources._fields import opt, req, strings
 from gpupool_sdk.resources.units import format_size
 
 
+#: feature every MIG GPU instance publishes; such a GPU takes only jobs that ask for a MIG profile.
+MIG_INSTANCE_FEATURE = "mig-instance"
+#: a MIG instance of profile P publishes the feature ``mig:P``; a job's ``mig_profile`` asks for it.
+MIG_PROFILE_PREFIX = "mig:"
+
+
+def mig_feature(profile: str) -> str:
+    """The feature a MIG instance of ``profile`` publishes (``"mig:3g.40gb"``)."""
+    return MIG_PROFILE_PREFIX + profile
+
+
 @dataclass(frozen=True)
 class GpuHealth:
     """The agent's health verdict for one GPU.
@@ -69,6 +80,12 @@ class GpuInfo:
         numa_node: NUMA node of the GPU, if known.
         health: the agent's health verdict.
         simulated: True for GPUs declared with ``--simulate``.
+        mig_profile: for a MIG GPU instance, its profile (``"3g.40gb"``); None for a whole GPU.
+            A MIG instance is published as a GPU of its own (its ``MIG-...`` UUID, memory and SMs);
+            ``index`` is its parent's index.
+        mig_parent: for a MIG instance, the parent GPU's UUID.
+        mps_pipe_dir: the pipe directory of the CUDA MPS control daemon serving this GPU, when
+            the agent runs one (jobs sharing it then get MPS limits); None otherwise.
     """
 
     uuid: str
@@ -87,15 +104,33 @@ class GpuInfo:
     numa_node: int | None = None
     health: GpuHealth = field(default_factory=GpuHealth)
     simulated: bool = False
+    mig_profile: str | None = None
+    mig_parent: str | None = None
+    mps_pipe_dir: str | None = None
 
     @property
     def healthy(self) -> bool:
         return self.health.healthy
 
+    @property
+    def is_mig(self) -> bool:
+        """True for a MIG GPU instance."""
+        return self.mig_profile is not None
+
     def describe(self) -> str:
+        if self.mig_profile is not None:
+            return f"{self.node}/{self.index} {self.model} MIG {self.mig_profile} {format_size(self.memory_bytes)}"
         return f"{self.node}/{self.index} {self.model} {format_size(self.memory_bytes)}"
 
     def to_dict(self) -> dict[str, Any]:
+        d = self._base_dict()
+        # Written only when set, so a whole GPU's record is unchanged from older releases.
+        for name in ("mig_profile", "mig_parent", "mps_pipe_dir"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        return d
+
+    def _base_dict(self) -> dict[str, Any]:
         return {
             "uuid": self.uuid,
             "node": self.node,
@@ -135,6 +170,9 @@ class GpuInfo:
             numa_node=opt(d, "numa_node", int, where, None),
             health=GpuHealth.from_dict(health, f"{where}.health") if health is not None else GpuHealth(),
             simulated=opt(d, "simulated", bool, where, False),
+            mig_profile=opt(d, "mig_profile", str, where, None),
+            mig_parent=opt(d, "mig_parent", str, where, None),
+            mps_pipe_dir=opt(d, "mps_pipe_dir", str, where, None),
         )
 
 

@@ -13,6 +13,7 @@ from gpupool_sdk.errors import SpecError
 from gpupool_sdk.resources._fields import check, keyword_checked, opt, req, strings, unknown_field
 from gpupool_sdk.resources.units import format_size, parse_size
 
+_MIG_PROFILE_RE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb(\+[a-z]+)?$")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 #: node names as the keyspace accepts them (``store.keyspace``).
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
@@ -113,6 +114,10 @@ class JobSpec:
             slices, granted all or nothing once every node's member joined
             (:meth:`PoolClient.join <gpupool_sdk.client.PoolClient.join>`). Gangs are rigid
             (no ``min_gpus`` / ``max_gpus``) and take whole nodes' parts: ``topology`` is ignored.
+        mig_profile: run only on MIG GPU instances of this profile (``"3g.40gb"``, ``"1g.10gb"``,
+            ``"1g.10gb+me"``, ``"1c.3g.40gb"``); each slice is then a share of one instance, under
+            the same QoS rules as a share of a GPU (``qos="exclusive"`` takes the whole instance).
+            None (the default): never placed on a MIG instance.
 
     Raises:
         SpecError: a field is invalid, or is not a field at all (a misspelt keyword such as
@@ -141,6 +146,7 @@ class JobSpec:
     owner: str = ""
     node: str | None = None
     nodes: int = 1
+    mig_profile: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -189,6 +195,17 @@ class JobSpec:
             set_(self, "gpu_model", _canonical_model(self.gpu_model))
         check(self.owner, str, "owner")
         self._check_nodes()
+        if self.mig_profile is not None:
+            check(self.mig_profile, str, "mig_profile")
+            profile = self.mig_profile.strip().lower()
+            if not _MIG_PROFILE_RE.match(profile):
+                raise SpecError(
+                    "mig_profile",
+                    f"{self.mig_profile!r} is not a MIG profile; write it as nvidia-smi names GPU instance profiles, "
+                    "e.g. '1g.10gb', '3g.40gb', '7g.80gb' or '1g.10gb+me' (`gpupool status` lists the instances in the pool)",
+                )
+            set_ = object.__setattr__
+            set_(self, "mig_profile", profile)
 
     def _check_nodes(self) -> None:
         if self.node is not None:
@@ -243,6 +260,8 @@ class JobSpec:
 
     def describe(self) -> str:
         mem = "whole GPU" if self.memory_bytes == 0 else format_size(self.memory_bytes)
+        if self.mig_profile is not None:
+            mem = f"MIG {self.mig_profile}, " + ("whole instance" if self.memory_bytes == 0 else format_size(self.memory_bytes))
         shape = f"{self.nodes} nodes x {self.gpus_per_node}" if self.is_gang else str(self.gpus)
         where = f" on {self.node}" if self.node is not None else ""
         return f"{shape}x[{mem}, {self.compute_share:g} compute] {self.qos_class.value} prio={self.priority}{where}"
@@ -267,6 +286,7 @@ class JobSpec:
             # Written only when set, so specs of one-node jobs read the same as before.
             **({"node": self.node} if self.node is not None else {}),
             **({"nodes": self.nodes} if self.nodes != 1 else {}),
+            **({"mig_profile": self.mig_profile} if self.mig_profile is not None else {}),
         }
 
     @classmethod
@@ -294,6 +314,7 @@ class JobSpec:
             owner=opt(d, "owner", str, where, ""),
             node=opt(d, "node", str, where, None),
             nodes=opt(d, "nodes", int, where, 1),
+            mig_profile=opt(d, "mig_profile", str, where, None),
         )
 
 

@@ -3,7 +3,8 @@
 Two kinds of checks, both pure:
 
 * static ones that do not depend on what is running (:func:`unschedulable_reason`,
-  :func:`matches_static`): health, cordon, drain, features, model;
+  :func:`matches_static`): health, cordon, drain, features, model, MIG profile (a MIG
+  instance takes only jobs that ask for its profile, see :func:`features_match`);
 * capacity by QoS class (:func:`fits`) against a :class:`GpuLoad`, the per-GPU accounting the
   ledger keeps.
 
@@ -25,6 +26,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from gpupool_sdk.resources import GpuInfo, QoS
+from gpupool_sdk.resources.gpu import MIG_INSTANCE_FEATURE, MIG_PROFILE_PREFIX, mig_feature
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
 
@@ -190,7 +192,7 @@ def request_for(view: JobView, config: SchedulerConfig, count: int | None = None
         memory=memory,
         compute=1.0 if qos is QoS.EXCLUSIVE else spec.compute_share,
         peak=peak,
-        features=tuple(spec.features),
+        features=tuple(spec.features) if spec.mig_profile is None else tuple(sorted({*spec.features, mig_feature(spec.mig_profile)})),
         gpu_model=spec.gpu_model,
         count=want,
         min_count=min(spec.min_gpus or want, want),
@@ -213,11 +215,23 @@ def unschedulable_reason(gpu: GpuInfo, cordoned: Collection[str], draining: Coll
     return None
 
 
+def features_match(offered: Collection[str], wanted: Collection[str]) -> bool:
+    """True when a GPU offering ``offered`` serves a request for ``wanted``.
+
+    Every wanted feature must be offered; and a MIG instance (``mig-instance``) serves only
+    requests that name a MIG profile (a ``mig:P`` feature, from ``JobSpec.mig_profile``): a job
+    that did not ask for a MIG slice never lands on one.
+    """
+    if MIG_INSTANCE_FEATURE in offered and not any(w.startswith(MIG_PROFILE_PREFIX) for w in wanted):
+        return False
+    return all(f in offered for f in wanted)
+
+
 def matches_static(gpu: GpuInfo, features: Collection[str], gpu_model: str | None) -> bool:
-    """True when ``gpu`` offers every required feature and is the required model (if any)."""
+    """True when ``gpu`` offers every required feature and is the required model (if any); see :func:`features_match`."""
     if gpu_model is not None and gpu.model.lower() != gpu_model.lower():
         return False
-    return all(f in gpu.features for f in features)
+    return features_match(gpu.features, features)
 
 
 def fits(load: GpuLoad, req: SliceRequest, ratio: float) -> bool:

@@ -26,7 +26,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gpupool_sdk.resources import GpuInfo, QoS
-from gpupool_sdk.scheduler.filter import COMPUTE_EPS, GpuLoad, SliceRequest, fits, matches_static
+from gpupool_sdk.scheduler.filter import (
+    COMPUTE_EPS,
+    GpuLoad,
+    SliceRequest,
+    features_match,
+    fits,
+    matches_static,
+)
 
 _ClassKey = tuple[str, tuple[str, ...], int]
 
@@ -288,7 +295,7 @@ class Ledger:
                 cls
                 for cls in self._classes.values()
                 if (gpu_model is None or cls.model.lower() == gpu_model.lower())
-                and all(f in cls.features for f in features)
+                and features_match(cls.features, features)
             ]
             self._match_cache[key] = found
         return found

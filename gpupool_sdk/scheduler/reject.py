@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from gpupool_sdk.resources import GpuInfo, JobSpec, QoS
 from gpupool_sdk.resources.units import format_size
-from gpupool_sdk.scheduler.filter import SliceRequest
+from gpupool_sdk.scheduler.filter import MIG_PROFILE_PREFIX, SliceRequest, features_match
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,13 @@ def reject_reason(req: SliceRequest, pool: Sequence[PoolClass], overcommit_ratio
         models = sorted({c.model for c in pool})
         return f"no GPU of model {req.gpu_model} in the pool (models: {', '.join(models)})"
     offered = {f for c in pool for f in c.features}
+    profiles = [f for f in req.features if f.startswith(MIG_PROFILE_PREFIX)]
+    if profiles and profiles[0] not in offered:
+        have = sorted(f[len(MIG_PROFILE_PREFIX) :] for f in offered if f.startswith(MIG_PROFILE_PREFIX))
+        return (
+            f"no MIG instance of profile {profiles[0][len(MIG_PROFILE_PREFIX):]} in the pool "
+            f"(profiles: {', '.join(have) or 'none'}; an operator creates instances with `gpupool mig create`)"
+        )
     missing = [f for f in req.features if f not in offered]
     if missing:
         return f"no GPU offers feature(s) {', '.join(missing)} (offered: {', '.join(sorted(offered)) or 'none'})"
@@ -67,7 +74,7 @@ def reject_reason(req: SliceRequest, pool: Sequence[PoolClass], overcommit_ratio
         c
         for c in pool
         if (req.gpu_model is None or c.model.lower() == req.gpu_model.lower())
-        and all(f in c.features for f in req.features)
+        and features_match(c.features, req.features)
     ]
     if not static:
         return f"no single GPU offers all of {', '.join(req.features)}" + (

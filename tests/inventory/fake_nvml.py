@@ -40,6 +40,12 @@ class FakeGpu:
     ecc: int | None = 0
     lost: bool = False
     unreadable: bool = False  # NVML cannot even read its UUID (lost before the agent started)
+    mig_current: int | None = None  # None: MIG NotSupported; 0 off, 1 on
+    mig_pending: int | None = None
+    reset_needed: bool = False  # True: a mode change waits for a GPU reset (pending != current)
+    mig_profiles: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # id -> (slices, MiB, SMs)
+    gis: list[FakeGi] = field(default_factory=list)
+    next_gi: int = 1
 
     @property
     def uuid(self) -> str:
@@ -48,6 +54,51 @@ class FakeGpu:
     @property
     def bus_id(self) -> str:
         return f"00000000:{0x18 + self.index * 0x10:02X}:00.0"
+
+
+@dataclass
+class FakeGi:
+    """A GPU instance; with a compute instance it is a CUDA device (a MIG device handle)."""
+
+    parent: FakeGpu
+    id: int
+    profile_id: int
+    slices: int
+    memory_mib: int
+    sms: int
+    cis: list[int] = field(default_factory=list)  # compute-instance profile ids
+    busy: bool = False  # a process uses it: destroy fails with IN_USE
+    unreadable: bool = False
+    lost: bool = False
+
+    @property
+    def uuid(self) -> str:
+        return f"MIG-fake-{self.parent.index:04d}-{self.id}"
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MiB
+
+
+#: GPU-instance profiles of an A100 80GB: NVML profile id -> (slices, memory MiB, SMs).
+A100_80_PROFILES = {0: (1, 9728, 14), 7: (1, 9728, 14), 9: (1, 19968, 14), 1: (2, 19968, 28), 2: (3, 40192, 42),
+                    3: (4, 40192, 56), 4: (7, 81152, 98)}
+
+
+@dataclass
+class _Info:
+    id: int
+    sliceCount: int = 0
+    memorySizeMB: int = 0
+    multiprocessorCount: int = 0
+
+
+@dataclass
+class _MigAttrs:
+    multiprocessorCount: int
+    gpuInstanceSliceCount: int
+    computeInstanceSliceCount: int
+    memorySizeMB: int
 
 
 @dataclass
@@ -140,7 +191,9 @@ class FakeNvml:
     def nvmlDeviceGetCudaComputeCapability(self, h: FakeGpu) -> tuple[int, int]:
         return h.cc
 
-    def nvmlDeviceGetAttributes(self, h: FakeGpu) -> _Attrs:
+    def nvmlDeviceGetAttributes(self, h: FakeGpu | FakeGi) -> _Attrs | _MigAttrs:
+        if isinstance(h, FakeGi):
+            return _MigAttrs(h.sms, h.slices, h.slices, h.memory_mib)
         if h.sm_attr is None:
             raise err(NOT_SUPPORTED)
         return _Attrs(h.sm_attr)
@@ -233,6 +286,72 @@ class FakeNvml:
     def nvmlEventSetFree(self, event_set: str) -> None:
         self.event_sets_freed += 1
 
+    # MIG
+    def nvmlDeviceGetMigMode(self, h: FakeGpu) -> list[int]:
+        if h.mig_current is None:
+            raise err(NOT_SUPPORTED)
+        return [h.mig_current, h.mig_pending if h.mig_pending is not None else h.mig_current]
+
+    def nvmlDeviceSetMigMode(self, h: FakeGpu, mode: int) -> int:
+        if h.mig_current is None:
+            raise err(NOT_SUPPORTED)
+        h.mig_pending = mode
+        if not h.reset_needed:
+            h.mig_current = mode
+            if mode == 0:
+                h.gis.clear()
+        return 0
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: FakeGpu) -> int:
+        if h.mig_current is None:
+            raise err(NOT_SUPPORTED)
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: FakeGpu, k: int) -> FakeGi:
+        devices = [gi for gi in h.gis if gi.cis]
+        if k >= len(devices):
+            raise err(_real.NVML_ERROR_NOT_FOUND)
+        return devices[k]
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, h: FakeGpu, pid: int) -> _Info:
+        if not h.mig_current or pid not in h.mig_profiles:
+            raise err(NOT_SUPPORTED)
+        slices, mib, sms = h.mig_profiles[pid]
+        return _Info(pid, slices, mib, sms)
+
+    def nvmlDeviceCreateGpuInstance(self, h: FakeGpu, pid: int) -> FakeGi:
+        slices, mib, sms = h.mig_profiles[pid]
+        if sum(g.slices for g in h.gis) + slices > 7:
+            raise err(_real.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        gi = FakeGi(h, h.next_gi, pid, slices, mib, sms)
+        h.next_gi += 1
+        h.gis.append(gi)
+        return gi
+
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, gi: FakeGi, cid: int, engine: int) -> _Info:
+        return _Info(cid)
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gi: FakeGi, cid: int) -> tuple[FakeGi, int]:
+        gi.cis.append(cid)
+        return (gi, cid)
+
+    def nvmlDeviceGetGpuInstances(self, h: FakeGpu, pid: int) -> list[FakeGi]:
+        return [gi for gi in h.gis if gi.profile_id == pid]
+
+    def nvmlGpuInstanceGetComputeInstances(self, gi: FakeGi, cid: int) -> list[tuple[FakeGi, int]]:
+        return [(gi, c) for c in gi.cis if c == cid]
+
+    def nvmlComputeInstanceDestroy(self, ci: tuple[FakeGi, int]) -> None:
+        gi, cid = ci
+        if gi.busy:
+            raise err(_real.NVML_ERROR_IN_USE)
+        gi.cis.remove(cid)
+
+    def nvmlGpuInstanceDestroy(self, gi: FakeGi) -> None:
+        if gi.busy or gi.cis:
+            raise err(_real.NVML_ERROR_IN_USE)
+        gi.parent.gis.remove(gi)
+
     def inject_xid(self, index: int, xid: int) -> None:
         self.events.append(_Event(self.gpus[index], self.nvmlEventTypeXidCriticalError, xid))
 
@@ -264,3 +383,17 @@ def two_island_box() -> list[FakeGpu]:
 def nvswitch_box(n: int = 4) -> list[FakeGpu]:
     """``n`` GPUs whose links all end on NVSwitches (one all-to-all fabric)."""
     return [FakeGpu(index=i, links=[(True, "switch")] * 4, switch_group=i, host_group=0) for i in range(n)]
+
+
+def mig_box() -> list[FakeGpu]:
+    """2 A100 80GB: GPU 0 in MIG mode with two 3g.40gb instances, GPU 1 a whole GPU (MIG off)."""
+    gpus = [
+        FakeGpu(index=i, name="NVIDIA A100-SXM4-80GB", memory_bytes=81920 * MiB, cc=(8, 0), cores=6912,
+                switch_group=0, host_group=0, mig_current=1 if i == 0 else 0, mig_profiles=dict(A100_80_PROFILES))
+        for i in range(2)
+    ]
+    nv = FakeNvml(gpus)
+    for _ in range(2):
+        gi = nv.nvmlDeviceCreateGpuInstance(gpus[0], 2)
+        nv.nvmlGpuInstanceCreateComputeInstance(gi, 2)
+    return gpus
