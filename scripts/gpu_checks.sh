@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check run, for a session that is lent a GPU machine (see docs/gpu.md).
 # Runs every test marked `gpu` (NVML inventory, NVML sampler, CUDA allocator in replace mode,
-# CuPy + torch shared quota, balloon round trip on a real GPU) and the allocator benchmark
+# CuPy + torch shared quota, balloon round trip on a real GPU, MIG read through NVML, MPS limits) and the allocator benchmark
 # against PyTorch's own caching allocator, and writes the results under ${OUT:-gpu-results}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,10 @@ mkdir -p "$out"
 python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
 pip install --quiet torch -e ".[server,test,cuda]" >"$out/pip.log" 2>&1 || pip install --quiet torch -e ".[server,test]" >>"$out/pip.log" 2>&1
 python -m pytest -m gpu -v -s -p no:cacheprovider tests >"$out/pytest-gpu.txt" 2>&1
+# MIG state through NVML (tests/inventory/test_mig.py reads it too) and the MPS limits check
+# (tests/client/test_mps.py: a real MPS control daemon, the grant's pinned-memory limit enforced).
+python -c "import json, pynvml; pynvml.nvmlInit(); from gpupool_sdk.inventory import mig_admin; print(json.dumps([s.to_dict() for s in mig_admin.list_gpus(pynvml)], indent=2))" >"$out/mig-list.json" 2>&1
+which nvidia-cuda-mps-control >"$out/mps.txt" 2>&1
 echo "pytest rc=$?" >>"$out/pytest-gpu.txt"
 timeout 300 python benchmarks/bench_allocator.py --json >"$out/bench_allocator.json" 2>"$out/bench_allocator.err"
 echo "done; results in $out"
