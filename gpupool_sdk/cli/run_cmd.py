@@ -42,7 +42,7 @@ import click
 
 from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.resources import JobSpec
+from gpupool_sdk.resources import JobSpec, JobState
 from gpupool_sdk.runtime.env import (
     CKPT_DIR_ENV,
     DEVICES_ENV,
@@ -124,6 +124,10 @@ def _stop_child(proc: subprocess.Popen[Any], grace_s: float = 30.0, signum: int 
 @click.option("--memory", default=None, help="Memory per slice, e.g. 20GiB or 20Gi (required unless --qos exclusive).")
 @click.option("--qos", type=click.Choice(["shared", "guaranteed", "exclusive"]), default="shared", show_default=True)
 @click.option("--priority", type=int, default=0, show_default=True)
+@click.option("--min-gpus", type=int, default=None, help="Elastic job: fewest slices it can train on (with --max-gpus).")
+@click.option("--max-gpus", type=int, default=None,
+              help="Elastic job: most slices it can use; the pool grows and shrinks it at step boundaries, keeping "
+                   "its lease (the script is restarted from its checkpoint on the new slices).")
 @click.option("--compute-share", type=float, default=1.0, show_default=True)
 @click.option("--feature", "features", multiple=True, help="Required GPU feature (repeatable): bf16, fp8, nvlink...")
 @click.option("--gpu-model", default=None, help="Restrict to one catalog model, e.g. H100-80GB.")
@@ -151,6 +155,8 @@ def run(
     memory: str | None,
     qos: str,
     priority: int,
+    min_gpus: int | None,
+    max_gpus: int | None,
     compute_share: float,
     features: tuple[str, ...],
     gpu_model: str | None,
@@ -197,6 +203,10 @@ def run(
         extra["preempt_grace_s"] = preempt_grace_s
     if min_runtime_s is not None:
         extra["min_runtime_s"] = min_runtime_s
+    if min_gpus is not None:
+        extra["min_gpus"] = min_gpus
+    if max_gpus is not None:
+        extra["max_gpus"] = max_gpus
     spec = JobSpec(
         name=job,
         gpus=gpus,
@@ -244,7 +254,7 @@ def run_job(
     client = PoolClient(endpoints=endpoints, prefix=prefix, security=security)
     sockdir = tempfile.mkdtemp(prefix="gpupool-run-")
     os.chmod(sockdir, 0o700)
-    preemptions = crashes = 0
+    preemptions = crashes = resizes = 0
     lease: Any = None
     proc: subprocess.Popen[Any] | None = None
     stop_signal: list[int] = []
@@ -268,11 +278,12 @@ def run_job(
             if stop_signal:
                 say("stopped by a signal before the script ran; nothing to checkpoint")
                 return EX_TEMPFAIL
-            say(f"queueing {spec.name}: {spec.describe()}")
             began = time.monotonic()
-            lease = client.acquire(
-                spec, timeout=acquire_timeout, on_status=lambda st: say(f"{st.state.value}: {st.reason}")
-            )
+            if lease is None:
+                say(f"queueing {spec.name}: {spec.describe()}")
+                lease = client.acquire(
+                    spec, timeout=acquire_timeout, on_status=lambda st: say(f"{st.state.value}: {st.reason}")
+                )
             ck = client.resume_info(spec.name)
             resume = ck.path if ck is not None and ck.path and Path(ck.path).exists() else None
             devices = lease.device_indices()
@@ -281,7 +292,7 @@ def run_job(
                 f"{lease.etcd_lease_hex} (etcdctl lease timetolive {lease.etcd_lease_hex} --keys)"
                 + (f", pool checkpoint {resume}" if resume else "")
             )
-            sock = os.path.join(sockdir, f"run-{preemptions + crashes}.sock")
+            sock = os.path.join(sockdir, f"run-{preemptions + crashes + resizes}.sock")
             server = RunChannelServer(lease, sock, resume, spec=spec)
             env = dict(os.environ)
             env.update({JOB_ENV: spec.name, RUN_SOCKET_ENV: sock, LEASED_ENV: "1",
@@ -317,6 +328,17 @@ def run_job(
                 say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script ended with {describe_exit(rc)} "
                     "without a checkpoint")
                 return shell_code(rc) or 1
+            if rc == EX_TEMPFAIL and not lost and server.resize_acked.is_set():
+                # An elastic resize: the coordinator re-places the job under this same lease;
+                # wait for that grant and run the script again on it (no release, no queueing).
+                resizes += 1
+                say(f"resized; waiting for the re-grant on lease {lease.etcd_lease_hex} (resize {resizes})")
+                regranted = lease.wait_for(_regranted_since(server.acked_at), timeout=acquire_timeout)
+                if regranted and not lease.lost:
+                    continue
+                say("no re-grant after the resize" + (f" ({lease.lost_reason})" if lease.lost else "")
+                    + "; queueing again")
+                lost = True
             if rc == EX_TEMPFAIL or (rc != 0 and lost):
                 why = "preempted" if rc == EX_TEMPFAIL else f"lease lost ({lease.lost_reason})"
                 if not lost:
@@ -366,6 +388,17 @@ def run_job(
             os.rmdir(sockdir)
         except OSError:
             pass
+
+
+def _regranted_since(acked_at: float) -> Any:
+    """Predicate: the job is GRANTED again by a grant made after the resize ack (or the lease is lost)."""
+
+    def check(lease: Any) -> bool:
+        st = lease.status
+        return bool(lease.lost or (st is not None and st.state is JobState.GRANTED
+                                   and (st.granted_at or 0.0) >= acked_at - 1.0 and lease.allocations))
+
+    return check
 
 
 def _wait(proc: subprocess.Popen[Any], stop_signal: list[int], grace_s: float) -> int:

@@ -7,8 +7,8 @@ Rules (docs/lightning.md, "Resume"):
   Each is written to a temporary name and renamed into place, so a crash never leaves a
   half-written file under a name that looks valid.
 * The resume point is the newest *readable* checkpoint among the pool's, the one the pool
-  recorded in etcd, ``last*.ckpt`` in the directory (Lightning's ``ModelCheckpoint(save_last=True)``)
-  and the user's ``resume_paths``. A file that is truncated or not a checkpoint is skipped with
+  recorded in etcd, ``last*.ckpt`` in the directory or in ``{dir}/{job}/`` (Lightning's
+  ``ModelCheckpoint(dirpath=..., save_last=True)``) and the user's ``resume_paths``. A file that is truncated or not a checkpoint is skipped with
   a warning that names it.
 * A run that finishes writes ``{dir}/{job}.finished``; checkpoints older than it are from a
   finished run and never resumed, so a new run under the same name starts fresh.
@@ -165,6 +165,7 @@ class CheckpointBook:
             paths.append(Path(recorded))
         if self.directory.is_dir():
             paths.extend(sorted(self.directory.glob("last*.ckpt")))
+            paths.extend(sorted((self.directory / self.job).glob("last*.ckpt")))
         for pattern in self.extra_patterns:
             paths.extend(Path(p) for p in glob.glob(os.path.expanduser(pattern)))
         seen: set[str] = set()

@@ -187,7 +187,13 @@ class RuntimeOptions:
         return Path(ckdir or DEFAULT_CHECKPOINT_DIR)
 
     def job_spec(self, job: str) -> JobSpec:
-        """The :class:`JobSpec` these options ask for, under the job name ``job``."""
+        """The :class:`JobSpec` these options ask for, under the job name ``job``.
+
+        Without ``memory`` (allowed only where the spec comes from elsewhere: under ``gpupool run``
+        or on a follower rank) this is a local stand-in: the launcher's or rank 0's grant decides.
+        """
+        if self.memory is None and self.qos != "exclusive":
+            return JobSpec(name=job, gpus=self.gpus, qos="exclusive", priority=self.priority)
         return JobSpec(
             name=job, gpus=self.gpus, memory=self.memory or 0, qos=self.qos, priority=self.priority,
             compute_share=self.compute_share, **dict(self.spec_fields),

@@ -240,6 +240,9 @@ class RunChannelServer:
         self.on_event = on_event
         self.released_by_child = threading.Event()
         self.preempt_acked = threading.Event()
+        #: Set when the script acked a resize: the launcher keeps the lease and waits for the re-grant.
+        self.resize_acked = threading.Event()
+        self.acked_at = 0.0
         self._stop = threading.Event()
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._srv.bind(path)
@@ -297,7 +300,10 @@ class RunChannelServer:
                     )
                     if self.on_event:
                         self.on_event("ack", msg)
-                    if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
+                    self.acked_at = time.time()
+                    if d.kind is DirectiveKind.RESIZE:
+                        self.resize_acked.set()
+                    elif d.kind is DirectiveKind.PREEMPT:
                         self.preempt_acked.set()
                         threading.Thread(
                             target=self._wait_released, args=(conn, lock), name="gpupool-run-rel", daemon=True

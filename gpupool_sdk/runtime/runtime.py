@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -216,6 +217,10 @@ class PoolRuntime:
                            timeout=self.options.acquire_timeout, on_status=self.options.on_status)
         if grant.launcher_spec:
             self._check_launcher_spec(grant.launcher_spec)
+            from gpupool_sdk.resources import JobSpec
+
+            with contextlib.suppress(Exception):  # the launcher's spec is the job's (its quota, its name)
+                self.spec = JobSpec.from_dict(grant.launcher_spec)
         if grant.job != self.job:
             log.warning("gpupool run holds job %r; this process uses that name (not %r)", grant.job, self.job)
             self.job = grant.job
@@ -257,26 +262,29 @@ class PoolRuntime:
         """
         from gpupool_sdk.errors import ConfigError
         from gpupool_sdk.resources import JobSpec
+        from gpupool_sdk.resources.units import parse_size
 
-        defaults = RuntimeOptions(memory=0)
-        mine = self.spec.to_dict()
         try:
-            theirs = JobSpec.from_dict(launched).to_dict()
+            theirs = JobSpec.from_dict(launched)
         except Exception:  # noqa: BLE001 - an older launcher's spec: nothing to compare
             return
-        checks = {"gpus": ("--gpus", defaults.gpus), "qos": ("--qos", defaults.qos),
-                  "priority": ("--priority", defaults.priority), "compute_share": ("--compute-share", 1.0)}
-        if self.options.memory is not None:
-            checks["memory_bytes"] = ("--memory", None)
-        for key, (flag, default) in checks.items():
-            own = getattr(self.options, "memory" if key == "memory_bytes" else key)
-            if own is None or own == default or mine.get(key) == theirs.get(key):
+        o, d = self.options, RuntimeOptions(memory=0)
+        mine: list[tuple[str, str, Any, Any, Any]] = [
+            ("gpus", "--gpus", o.gpus, d.gpus, theirs.gpus),
+            ("qos", "--qos", o.qos, d.qos, theirs.qos_class.value),
+            ("priority", "--priority", o.priority, d.priority, theirs.priority),
+            ("compute_share", "--compute-share", o.compute_share, d.compute_share, theirs.compute_share),
+        ]
+        if o.memory is not None:
+            mine.append(("memory", "--memory", parse_size(o.memory), None, theirs.memory_bytes))
+        for key, flag, own, default, leased in mine:
+            if own == default or own == leased:
                 continue
             raise ConfigError(
                 key,
-                f"the script's callback asks {key}={mine.get(key)!r} but `gpupool run {flag}` leased "
-                f"{theirs.get(key)!r}; under gpupool run the launcher's flags are the job's spec: drop {key}= "
-                f"from the callback or pass {flag} {mine.get(key)} to gpupool run",
+                f"the script's callback asks {key}={own!r} but `gpupool run {flag}` leased {leased!r}; under "
+                f"gpupool run the launcher's flags are the job's spec: drop {key}= from the callback or pass "
+                f"{flag} {own} to gpupool run",
             )
 
     def _watch_directives(self, lease: JobLease) -> None:
@@ -463,15 +471,24 @@ class PoolRuntime:
         self.resume_from = path
         self.inbox.handled(dec.seq)
         log.info("gpupool: %s stopped at step %d (%s); checkpoint %s", self.job, step, dec.reason, path)
+        # A resize under `gpupool run` keeps the lease: the launcher waits for the re-grant and
+        # runs the script again on the new slices (no release, no second queueing).
+        keep_lease = dec.kind is DecisionKind.RESIZE and self.mode is LeaseMode.ATTACHED
         if self.is_leader and self.lease is not None:
             acked = saved
             if not by_signal:
-                self.lease.ack(dec.directive(), step=step, checkpoint=path, ok=True, message="checkpointed")
+                self.lease.ack(dec.directive(), step=step, checkpoint=path, ok=True,
+                               message="checkpointed; restarting on the resized grant" if keep_lease else "checkpointed")
                 acked = time.monotonic()
-                if not self.lease.wait_released(timeout=self.options.release_timeout):
+                if not keep_lease and not self.lease.wait_released(timeout=self.options.release_timeout):
                     log.warning("slices of %s not taken back within %.0fs; releasing the lease", self.job,
                                 self.options.release_timeout)
-            self.close()
+            if keep_lease:
+                self._closed = True  # the launcher keeps the lease through the resize
+                self.stop_training()
+                self.signals.uninstall()
+            else:
+                self.close()
             done = time.monotonic()
             waited = (max(0.0, boundary_wall - dec.issued_at) if dec.issued_at > 0
                       else boundary - self.inbox.seen_at(dec.seq, boundary))

