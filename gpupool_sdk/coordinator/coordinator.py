@@ -50,6 +50,7 @@ from gpupool_sdk.coordinator.snapshot import DecodeCache, PoolState, build_state
 from gpupool_sdk.errors import ConfigError, GpupoolError, NotLeaderError, SpecError, StoreError
 from gpupool_sdk.resources import Allocation
 from gpupool_sdk.scheduler import types as st
+from gpupool_sdk.scheduler.autoscale import Autoscaler, AutoscaleSettings, AutoscaleSignal
 from gpupool_sdk.scheduler.types import SchedulerConfig
 from gpupool_sdk.store import EtcdStore, WatchEvent
 from gpupool_sdk.store.codec import encode
@@ -69,6 +70,9 @@ USAGE_ACCRUE_S = 1.0
 # telemetry, which every job rewrites every few seconds: the next cycle reads it, at the latest
 # loop_wait later, instead of a cycle per report.
 _QUIET_PUTS = frozenset({"jobs.status", "allocations", "directives", "checkpoints", "usage", "term", "telemetry"})
+# Keys that never need a cycle, put or deleted: the leader's own autoscale signal, and the
+# time-slicing turn and membership keys jobs pass between them every quantum.
+_IGNORED_KINDS = frozenset({"autoscale", "timeslice.turn", "timeslice.member"})
 
 
 @dataclass
@@ -85,6 +89,7 @@ class CycleReport:
         decided: the scheduler's decisions (what metrics count by kind, reason and QoS).
         granted_jobs: jobs whose grant was written this cycle.
         snapshot: the snapshot the cycle scheduled on.
+        autoscale: the autoscale signal computed after the cycle (None when autoscaling is off).
     """
 
     term: int
@@ -96,6 +101,7 @@ class CycleReport:
     decided: tuple[st.Decision, ...] = ()
     granted_jobs: tuple[str, ...] = ()
     snapshot: st.ClusterSnapshot | None = None
+    autoscale: AutoscaleSignal | None = None
 
 
 @dataclass
@@ -131,6 +137,8 @@ class Coordinator:
         orphan_grace_s: how long an orphaned key (see :mod:`~gpupool_sdk.coordinator.snapshot`)
             must be seen unchanged before the leader deletes it (default ``2 * timing.ttl_s``:
             a key on an expiring lease normally vanishes on its own first).
+        autoscale: thresholds of the autoscale signal the leader publishes at ``{prefix}/autoscale``
+            after each cycle (see :mod:`~gpupool_sdk.scheduler.autoscale`); None: not published.
 
     Raises:
         ConfigError: the timing relation does not hold, or ``orphan_grace_s`` is negative; the
@@ -154,6 +162,7 @@ class Coordinator:
         usage_flush_s: float = DEFAULT_USAGE_FLUSH_S,
         on_cycle: Callable[[CycleReport], None] | None = None,
         orphan_grace_s: float | None = None,
+        autoscale: AutoscaleSettings | None = AutoscaleSettings(),  # noqa: B008 - frozen, never mutated
     ) -> None:
         grace = 2 * timing.ttl_s if orphan_grace_s is None else orphan_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
@@ -195,6 +204,8 @@ class Coordinator:
         self._last_state: PoolState | None = None
         self._cycle_lock = threading.Lock()
         self._cache = DecodeCache()
+        self.autoscaler = Autoscaler(autoscale) if autoscale is not None else None
+        self._published_signal: AutoscaleSignal | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -228,10 +239,12 @@ class Coordinator:
                 self._leader_event.set()
                 wake = True
                 continue
+            parsed = self.keys.parse(e.kv.key)
+            if parsed is not None and parsed.kind in _IGNORED_KINDS:
+                continue
             if e.type == "put":
                 if e.prev is not None and e.prev.value == e.kv.value and e.prev.lease == e.kv.lease:
                     continue  # rewritten unchanged
-                parsed = self.keys.parse(e.kv.key)
                 if parsed is not None and parsed.kind in _QUIET_PUTS:
                     continue
             wake = True
@@ -344,6 +357,9 @@ class Coordinator:
                 self._holding.clear()
                 self._closed.clear()
                 self._last_accrual = None
+                if self.autoscaler is not None:
+                    self.autoscaler.forget()
+                    self._published_signal = None
             fence = self.election.fence()
             if fence is None:
                 return None
@@ -363,6 +379,7 @@ class Coordinator:
                 self._flush_usage()
                 if self._ledger is not None:
                     self._forget_idle(state)
+            signal = self._publish_autoscale(state)
             cycle = CycleReport(
                 term=fence.term,
                 revision=state.revision,
@@ -373,6 +390,7 @@ class Coordinator:
                 decided=tuple(decisions),
                 granted_jobs=tuple(report.granted_jobs),
                 snapshot=state.snapshot,
+                autoscale=signal,
             )
             self.stats.cycles += 1
             self.stats.decisions += len(decisions)
@@ -380,6 +398,21 @@ class Coordinator:
             if self.on_cycle is not None:
                 self.on_cycle(cycle)
             return cycle
+
+    # ------------------------------------------------------------------ autoscale
+
+    def _publish_autoscale(self, state: PoolState) -> AutoscaleSignal | None:
+        """Compute the autoscale signal; write ``{prefix}/autoscale`` (fenced, no lease) when its advice changed."""
+        if self.autoscaler is None:
+            return None
+        signal = self.autoscaler.update(state.snapshot)
+        if not signal.same_advice(self._published_signal):
+            try:
+                if self.writer.write([PutOp(self.keys.autoscale(), encode(signal))]):
+                    self._published_signal = signal
+            except GpupoolError as e:  # the signal is advice: never let it fail a cycle
+                log.warning("could not publish the autoscale signal: %s", e)
+        return signal
 
     # ------------------------------------------------------------------ orphans
 

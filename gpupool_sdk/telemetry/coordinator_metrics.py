@@ -113,6 +113,7 @@ class CoordinatorMetrics(Collector):
             self.cycles, self.cycle_seconds, self.decisions, self.grants, self.preemptions, self.rejections,
             self.queue_wait,
         )  # fmt: skip
+        self._autoscale: Any = None  # the last cycle's AutoscaleSignal
 
     def watch(self, coord: Any) -> None:
         """Export the leadership of a :class:`~gpupool_sdk.coordinator.Coordinator` (read at scrape time).
@@ -133,6 +134,9 @@ class CoordinatorMetrics(Collector):
             return view.spec.qos_class.value if view is not None else "unknown"
 
         with self._lock:
+            signal = getattr(report, "autoscale", None)
+            if signal is not None:
+                self._autoscale = signal
             self.cycles.inc()
             self.cycle_seconds.observe(max(0.0, report.duration_s))
             for d in report.decided:
@@ -148,12 +152,37 @@ class CoordinatorMetrics(Collector):
                 if view is not None and view.queued_at and snap is not None:
                     self.queue_wait.labels(qos=qos(job)).observe(max(0.0, snap.now - view.queued_at))
 
+    def _autoscale_families(self) -> Iterator[Metric]:
+        signal = self._autoscale
+        if signal is None:
+            return
+        desired = GaugeMetricFamily(
+            "gpupool_autoscale_desired_nodes",
+            "Nodes the pool wants per GPU type (pending demand and idle capacity, with hysteresis); "
+            "a cloud autoscaler converges the node group to it.",
+            labels=["gpu_type"],
+        )
+        current = GaugeMetricFamily("gpupool_autoscale_current_nodes", "Nodes present per GPU type.", labels=["gpu_type"])
+        down = GaugeMetricFamily(
+            "gpupool_autoscale_scale_down_nodes",
+            "Idle nodes named for removal per GPU type (their names are in the {prefix}/autoscale key).",
+            labels=["gpu_type"],
+        )
+        for t in sorted(signal.desired):
+            desired.add_metric([t], signal.desired[t])
+            current.add_metric([t], signal.current.get(t, 0))
+            down.add_metric([t], len(signal.scale_down.get(t, ())))
+        yield from (desired, current, down)
+
     def collect(self) -> Iterator[Metric]:
         for part in self._parts:
             yield from part.collect()
         if self._leader is None:
+            yield from self._autoscale_families()
             return
         is_leader, term, won, demoted = self._leader()
+        if is_leader:
+            yield from self._autoscale_families()  # only the leader's signal is current
         lead = GaugeMetricFamily("gpupool_coordinator_is_leader", "1 while this replica leads the pool.")
         lead.add_metric([], 1 if is_leader else 0)
         t = GaugeMetricFamily("gpupool_coordinator_term", "Term this replica holds (0: it does not lead).")
