@@ -133,3 +133,16 @@ def test_a_crash_is_restarted_from_the_checkpoint_and_a_crash_past_the_budget_sh
     assert results["doomed"]["state"] == "FAILED" and results["doomed"]["exit_code"] == 1
     assert "exit code 1" in results["doomed"]["reason"]
     assert "crash" not in results  # a finished run leaves no FAILED result
+
+
+def test_a_script_killed_by_a_signal_is_reported_as_such_and_restarted(live_pool: LivePool, tmp_path: Path) -> None:
+    """Issue 18, item 5: the OOM killer's SIGKILL is a crash to restart, not "finished with exit code -9"."""
+    live_pool.start("node-a:1xA100-40GB")
+    marker = tmp_path / "killed-once"
+    code = (f"import os, pathlib, signal; m = pathlib.Path({str(marker)!r})\n"
+            "if not m.exists():\n    m.write_text('x'); os.kill(os.getpid(), signal.SIGKILL)\n")
+    run = live_pool.gpupool("oom", "run", "--name", "oom", "--memory", "1GiB", "--max-restarts", "1", "--",
+                            sys.executable, "-c", code)
+    assert live_pool.wait_exit(run, "oom") == 0, live_pool.log("oom")
+    log = live_pool.log("oom")
+    assert "crashed (killed by SIGKILL); restart 1/1" in log and "exit code -9" not in log
