@@ -143,10 +143,18 @@ class AutoscaledPolicy:
             raise ConfigError("initial_nodes", f"{self.initial_nodes} nodes asked, the cluster declares {len(self._order)}")
         self._live = set(self._order[: self.initial_nodes])
         self.inner.bind(sim)
+        sim.listeners.append(self._on_job_change)
         for node in self._order[self.initial_nodes :]:
             self._set_service(node, False)
         self._peak = len(self._live)
         self.signals.append((0.0, len(self._live)))
+
+    def _on_job_change(self, job: Any) -> None:
+        # A node that holds a job is not idle, even if no evaluation saw it busy (the idle clock restarts).
+        sim = self.sim
+        if sim is not None:
+            for g in job.gpus or ():
+                self._idle_since.pop(sim.node_of[g], None)
 
     def schedule(self, sim: Simulator) -> Any:
         self._account(sim.now)
