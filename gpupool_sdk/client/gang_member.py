@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from gpupool_sdk.client.node import PublishedNode
@@ -278,6 +278,15 @@ class MemberSession:
                 self.end()
         if lost is not None:
             self.lose(lost)
+
+    def ack(self, ack: Any) -> int:
+        """Acknowledge a directive for this node: ``acked_seq`` in its member key (its own lease)."""
+        with self.lock:
+            if self.ended:
+                raise LeaseLostError(f"node {self.member.node} is no longer a member of gang {self.job!r}")
+            self.member = replace(self.member, acked_seq=max(self.member.acked_seq, int(ack.seq)))
+            member = self.member
+        return self.helper.store.put(self.helper.keys.job_member(self.job, member.node), member, lease=self.lease_id)
 
     def _timed_out(self) -> None:
         with self.lock:

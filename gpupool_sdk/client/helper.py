@@ -574,6 +574,9 @@ class Helper:
         return s
 
     def write_ack(self, job: str, ack: Any) -> int:
+        member = self.gang_members.get(job)
+        if member is not None and member.follow and job not in self.sessions:
+            return int(member.ack(ack))  # a gang's node other than rank 0 acks in its member key
         s = self._session(job)
         return self.store.put(self.keys.ack(job), ack, lease=s.lease_id)
 

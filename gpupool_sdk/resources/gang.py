@@ -28,6 +28,9 @@ class GangMember:
         hostname: the host the member process runs on (for operators).
         pid: the member process id (for operators).
         joined_at: wall-clock time of the join.
+        acked_seq: the last directive seq this node acknowledged (0: none). Node rank 0 acks in
+            ``acks/{job}``; every other node here, once its ranks stopped at the directive's step:
+            the leader releases a preempted gang when every node has acked.
 
     Raises:
         SpecError: a field is invalid; the message names it.
@@ -44,6 +47,7 @@ class GangMember:
     hostname: str = ""
     pid: int = 0
     joined_at: float = 0.0
+    acked_seq: int = 0
 
     def __post_init__(self) -> None:
         check(self.job, str, "job")
@@ -64,6 +68,7 @@ class GangMember:
             "hostname": self.hostname,
             "pid": self.pid,
             "joined_at": self.joined_at,
+            "acked_seq": self.acked_seq,
         }
 
     @classmethod
@@ -76,4 +81,5 @@ class GangMember:
             hostname=opt(d, "hostname", str, where, ""),
             pid=opt(d, "pid", int, where, 0),
             joined_at=opt(d, "joined_at", float, where, 0.0),
+            acked_seq=opt(d, "acked_seq", int, where, 0),
         )

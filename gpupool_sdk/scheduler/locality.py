@@ -8,6 +8,8 @@ leaves, the whole gang is released (no half-gang keeps a slice).
 
 * :func:`gang_problem`: why a gang cannot be placed yet (members missing or inconsistent).
 * :func:`broken_gangs`: Release decisions for granted gangs that lost a member.
+* :func:`members_acked`: every node of a gang acknowledged a directive (the protocol stage waits
+  for it before releasing a preempted gang).
 * :func:`node_wait_reason`: the PENDING reason of a node-restricted job that does not fit
   (``waiting for room on node X (N other nodes have room)``).
 """
@@ -55,6 +57,15 @@ def gang_problem(view: JobView) -> str | None:
         more = "member" if missing == 1 else "members"
         return f"waiting for {missing} more gang {more}: {len(view.members)} of {spec.nodes} nodes joined ({joined})"
     return None
+
+
+def members_acked(view: JobView, seq: int) -> bool:
+    """True when every node of the gang ``view`` other than node rank 0 acknowledged directive
+    ``seq`` in its member key (node rank 0 acks in ``acks/{job}``); always True for a one-node job.
+
+    A preempted gang is released only then: no node's slices go while its ranks may still run.
+    """
+    return all(m.acked_seq >= seq for m in view.members if m.node_rank != 0) if view.spec.is_gang else True
 
 
 def _held_elsewhere(view: JobView) -> list[str]:

@@ -26,6 +26,7 @@ from gpupool_sdk.resources import Directive, DirectiveKind, JobState, QoS
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import predicted_peak
 from gpupool_sdk.scheduler.ledger import Ledger
+from gpupool_sdk.scheduler.locality import members_acked
 from gpupool_sdk.scheduler.types import (
     ClusterSnapshot,
     Decision,
@@ -73,7 +74,8 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
         d = view.directive
         if d is None:
             continue
-        acked = view.ack is not None and view.ack.seq == d.seq
+        # A gang's directive is acked when node rank 0 wrote the ack and every other node did in its member key.
+        acked = view.ack is not None and view.ack.seq == d.seq and members_acked(view, d.seq)
         if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
             if acked:
                 assert view.ack is not None

@@ -2,10 +2,10 @@
 
 Usage: ``python gang_proc.py ENDPOINT PREFIX SPEC_JSON``. The node comes from ``GPUPOOL_NODE``,
 the ranks from the launcher's variables (torchrun's ``GROUP_RANK`` / ``WORLD_SIZE``...), as in a
-real multi-node launch.
+real multi-node launch. ``--deaf-rank N`` makes node rank N ignore directives.
 
 Prints ``GRANTED <node>/<gpu_uuid> ...`` (the whole gang) and ``DEVICES <indices>`` (this node's)
-once granted, ``DIRECTIVE <kind> <seq>`` for each directive; node rank 0 acks a preemption. Exits
+once granted, ``DIRECTIVE <kind> <seq>`` for each directive; every node acks a preemption. Exits
 75 after a cooperative preemption, 0 on SIGTERM, 4 (after printing ``LOST``) when its lease was
 taken away (another member left, or node rank 0 did).
 """
@@ -25,6 +25,8 @@ from gpupool_sdk.resources import DirectiveKind, JobSpec
 
 def main() -> int:
     endpoint, prefix, spec_json = sys.argv[1:4]
+    extra = sys.argv[4:]
+    deaf = int(extra[extra.index("--deaf-rank") + 1]) if "--deaf-rank" in extra else -1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     spec = JobSpec.from_dict(json.loads(spec_json))
@@ -44,9 +46,12 @@ def main() -> int:
                 stop.wait(0.05)
                 continue
             print(f"DIRECTIVE {d.kind.value} {d.seq}", flush=True)
+            if rank == deaf:
+                continue
             if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
-                if rank == 0:  # global rank 0 acks for the gang, after the collective checkpoint
-                    lease.ack(d, step=step, checkpoint=f"/ckpt/{spec.name}/step{step}.ckpt")
+                # Every node acks once its ranks stopped (node rank 0 with the checkpoint it saved).
+                ckpt = f"/ckpt/{spec.name}/step{step}.ckpt" if rank == 0 else None
+                lease.ack(d, step=step, checkpoint=ckpt)
                 lease.wait_released(timeout=60)
                 lease.release()
                 print("PREEMPTED", flush=True)

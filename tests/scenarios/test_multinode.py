@@ -33,10 +33,12 @@ def two_agents(pool: Pool) -> None:
     pool.gpus("node-b:1xA100-40GB:pcie")
 
 
-def spawn(pool: Pool, name: str, script: str, spec: JobSpec, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def spawn(
+    pool: Pool, name: str, script: str, spec: JobSpec, env: dict[str, str], *extra: str
+) -> subprocess.Popen[bytes]:
     log = open(pool.tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
     p = subprocess.Popen(
-        [sys.executable, str(HERE / script), pool.endpoint, pool.keys.prefix, json.dumps(spec.to_dict())],
+        [sys.executable, str(HERE / script), pool.endpoint, pool.keys.prefix, json.dumps(spec.to_dict()), *extra],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
     )
     pool.procs.append(p)
@@ -44,12 +46,12 @@ def spawn(pool: Pool, name: str, script: str, spec: JobSpec, env: dict[str, str]
     return p
 
 
-def member(pool: Pool, spec: JobSpec, node: str, node_rank: int) -> subprocess.Popen[bytes]:
+def member(pool: Pool, spec: JobSpec, node: str, node_rank: int, *extra: str) -> subprocess.Popen[bytes]:
     """A gang member as torchrun --nnodes 2 --nproc-per-node 1 would start it on ``node``."""
     env = {"GPUPOOL_NODE": node, "TORCHELASTIC_RUN_ID": spec.name, "WORLD_SIZE": str(spec.nodes),
            "RANK": str(node_rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(node_rank),
            "GROUP_WORLD_SIZE": str(spec.nodes)}
-    return spawn(pool, f"{spec.name}-{node}", "gang_proc.py", spec, env)
+    return spawn(pool, f"{spec.name}-{node}", "gang_proc.py", spec, env, *extra)
 
 
 def status_reason(pool: Pool, job: str) -> str:
@@ -167,6 +169,31 @@ def test_a_preemption_reaches_every_member_and_frees_both_nodes(pool: Pool) -> N
     out = pool.wait_output(urgent, "GRANTED")
     assert "GRANTED node-b/" in out
     assert job_allocs(pool, "ddp") == []
+    pool.check()
+
+
+def test_a_preempted_gang_keeps_every_node_until_every_node_acked(pool: Pool) -> None:
+    two_agents(pool)
+    pool.coordinator("c1")
+    spec = JobSpec(name="ddp", gpus=2, nodes=2, memory="30GiB", priority=1, preempt_grace_s=8)
+    a = member(pool, spec, "node-a", 0, "--deaf-rank", "1")
+    b = member(pool, spec, "node-b", 1, "--deaf-rank", "1")  # node-b's ranks never stop
+    pool.wait_output(a, "DEVICES")
+    pool.wait_output(b, "DEVICES")
+    urgent = spawn(pool, "urgent", "client_proc.py", JobSpec(name="urgent", memory="30GiB", priority=10),
+                   {"GPUPOOL_NODE": "node-a"})
+    pool.wait_output(b, "DIRECTIVE preempt")
+    wait_for(lambda: pool.store.get(pool.keys.ack("ddp")), DEADLINE, "node rank 0's ack")
+    # Node rank 0 acked, node-b did not: the gang keeps both nodes (node-b's ranks may still run).
+    for _ in range(4):
+        assert [h.split("/")[0] for h in job_allocs(pool, "ddp")] == ["node-a", "node-b"]
+        assert "GRANTED" not in pool.output(urgent)
+        time.sleep(0.5)
+    # At the deadline the leader revokes node rank 0's lease: every node's slices go at once.
+    out = pool.wait_output(urgent, "GRANTED", timeout=DEADLINE + 10)
+    assert "GRANTED node-a/" in out
+    assert job_allocs(pool, "ddp") == []
+    assert b.wait(DEADLINE) == 4 and "LOST" in pool.output(b)
     pool.check()
 
 

@@ -143,3 +143,19 @@ def test_a_gang_that_lost_a_member_is_released_on_every_node() -> None:
     assert "no half-gang keeps a slice" in rel.reason and "1 of 2 nodes joined" in rel.reason
     # Its slices are free in the same cycle: the next job on node-b is granted there.
     assert isinstance(only(out, "next"), Grant)
+
+
+def test_a_preempted_gang_is_released_only_when_every_node_acked() -> None:
+    from dataclasses import replace as _replace
+
+    from gpupool_sdk.resources import Ack, Directive, DirectiveKind
+
+    g = gpus(TWO)
+    held = running(_gang("g", "node-a", "node-b", memory="10GiB", gpus=4), list(g.values()))
+    d = Directive(kind=DirectiveKind.PREEMPT, seq=3, deadline=100.0)
+    rank0_acked = _replace(held, state=JobState.PREEMPTING, directive=d, ack=Ack(seq=3, step=7))
+    out = run(snap(g, [rank0_acked], now=10.0))
+    assert not [x for x in out if isinstance(x, Release)]  # node-b's ranks may still run
+    both = _replace(rank0_acked, members=(held.members[0], _replace(held.members[1], acked_seq=3)))
+    rel = only(run(snap(g, [both], now=10.0)), "g")
+    assert isinstance(rel, Release) and rel.state is JobState.SUSPENDED
