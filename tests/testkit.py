@@ -63,7 +63,7 @@ def stop_groups(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 10.0) -
             p.wait(5)
 
 
-def publish_gpus(store: Any, gpus: Sequence[Any], lease: int | None = None, ttl_s: int = 60) -> int:
+def publish_gpus(store: Any, gpus: Sequence[Any], lease: int | None = None, ttl_s: int = 600) -> int:
     """Publish ``gpus`` (``GpuInfo``) as an agent would: each node key and its GPUs on one lease.
 
     The coordinator acts only on GPUs whose node key is present on the same lease (issue 12), so a

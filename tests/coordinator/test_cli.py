@@ -37,15 +37,15 @@ def gpupool(etcd_endpoint: str, store: EtcdStore) -> Run:
 def _populate(store: EtcdStore) -> list[str]:
     ks = store.keys
     gpus = parse_cluster_spec("node-a:2xA100-40GB:pcie")
-    publish_gpus(store, gpus, ttl_s=30)
-    lease = store.grant_lease(30)  # the jobs' lease (not the agent's)
+    publish_gpus(store, gpus)
+    lease = store.grant_lease(600)  # the jobs' lease (not the agent's); long: a busy machine runs these slowly
     store.put(ks.job_spec("bert"), JobSpec(name="bert", gpus=1, memory="10GiB", priority=3), lease=lease)
     store.put(ks.job_status("bert"), JobStatus(JobState.GRANTED, "granted 1 slice on node-a", term=2, gpus=1), lease=lease)
     store.put(ks.allocation("node-a", gpus[0].uuid, "bert"),
               Allocation("bert", "node-a", gpus[0].uuid, 0, 10 * GiB, 1.0, QoS.GUARANTEED, 2), lease=lease)
     store.put(ks.job_spec("waiting"), JobSpec(name="waiting", gpus=1, memory="50GiB", priority=1), lease=lease)
     store.put(ks.job_status("waiting"), JobStatus(JobState.PENDING, "queued: no GPU with 50GiB", 1.0, 1.0), lease=lease)
-    store.put(ks.leader(), LeaderRecord("coord-x", 2, time.time()), lease=store.grant_lease(30))
+    store.put(ks.leader(), LeaderRecord("coord-x", 2, time.time()), lease=store.grant_lease(600))
     return [g.uuid for g in gpus]
 
 

@@ -30,7 +30,7 @@ def _wait(cond: object, what: str, timeout: float = 30.0) -> None:
 
 @pytest.fixture
 def running(store: EtcdStore) -> Iterator[tuple[Coordinator, list[CycleReport]]]:
-    publish_gpus(store, parse_cluster_spec("node-a:2xA100-40GB:pcie"), ttl_s=30)
+    publish_gpus(store, parse_cluster_spec("node-a:2xA100-40GB:pcie"))
     reports: list[CycleReport] = []
     coord = Coordinator(store, SchedulerConfig(), TIMING, "inproc", loop_wait_s=0.5, usage_flush_s=0.3,
                         on_cycle=reports.append)

@@ -245,7 +245,7 @@ TIMING = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
 
 @pytest.fixture
 def leader(store: EtcdStore) -> Iterator[Coordinator]:
-    publish_gpus(store, parse_cluster_spec("node-a:1xH100-80GB:pcie"), ttl_s=30)
+    publish_gpus(store, parse_cluster_spec("node-a:1xH100-80GB:pcie"))
     coord = Coordinator(store, st.SchedulerConfig(), TIMING, "gc", loop_wait_s=0.5, orphan_grace_s=1.0)
     t = threading.Thread(target=coord.run, daemon=True)
     t.start()

@@ -119,6 +119,8 @@ class Report:
     settle_s: float = 0.0
     duration_s: float = 0.0
     client_errors: dict[str, int] = field(default_factory=dict)
+    #: injected orphans written onto a GPU already in use (the injection's overcommit, not a grant's).
+    injected_collisions: int = 0
 
     def figures(self) -> dict[str, Any]:
         def q(xs: list[float], p: float) -> float | None:
@@ -146,6 +148,7 @@ class Report:
             "failover_events": self.failover_events,
             "settle_s": round(self.settle_s, 2),
             "client_errors": dict(sorted(self.client_errors.items())),
+            "injected_collisions": self.injected_collisions,
         }
 
 
@@ -178,6 +181,7 @@ class FaultRun:
         self._samples: list[tuple[float, str | None, int, int, float]] = []  # t, leader id, leader term, max alloc term, max granted_at
         self._sampling = threading.Event()
         self._excluded_revisions: set[int] = set()  # our own hostile writes (not the leader's)
+        self._collision_seen: dict[str, int] = {}
         self._kills: list[tuple[float, str]] = []  # (time, client name) when a client process was killed
         self._leader_faults: list[tuple[float, int, str]] = []  # (time, term of the leader it hit, kind)
         self._etcd_up: list[float] = []
@@ -335,7 +339,7 @@ class FaultRun:
         ks = self.keys
         gpus: dict[str, tuple[GpuInfo, int]] = {}
         node_lease: dict[str, int] = {}
-        allocs: list[tuple[Allocation, int]] = []
+        allocs: list[tuple[Allocation, int, int]] = []  # allocation, lease, mod revision
         spec_lease: dict[str, int] = {}
         leader_id, leader_term = None, 0
         for kv in kvs:
@@ -348,7 +352,7 @@ class FaultRun:
                 elif p.kind == "nodes":
                     node_lease[p.parts[0]] = kv.lease
                 elif p.kind == "allocations":
-                    allocs.append((decode(kv.key, kv.value, Allocation), kv.lease))
+                    allocs.append((decode(kv.key, kv.value, Allocation), kv.lease, kv.mod_revision))
                 elif p.kind == "jobs.spec":
                     spec_lease[p.parts[0]] = kv.lease
                 elif p.kind == "leader":
@@ -357,18 +361,24 @@ class FaultRun:
             except SchemaError:
                 continue
         violations: list[str] = []
-        by_gpu: dict[str, list[Allocation]] = {}
-        for a, _lease in allocs:
-            by_gpu.setdefault(a.gpu_uuid, []).append(a)
+        by_gpu: dict[str, list[tuple[Allocation, int]]] = {}
+        for a, _lease, mod in allocs:
+            by_gpu.setdefault(a.gpu_uuid, []).append((a, mod))
             if a.gpu_uuid not in valid_gpus:
                 violations.append(f"rev {rev}: {a.job} holds {a.gpu_uuid}, a GPU no agent publishes")
             if a.job.startswith("hostile-"):
                 violations.append(f"rev {rev}: hostile spec {a.job} (no lease / another job's name) was granted")
-        for uuid_, held in by_gpu.items():
+        for uuid_, entries in by_gpu.items():
             got = gpus.get(uuid_)
             if got is None or uuid_ not in valid_gpus:
                 continue
             g = got[0]
+            # An orphan this run wrote by hand onto a GPU already in use is our collision, not a
+            # grant: count an injected orphan only when some grant there came after it.
+            last_grant = max((mod for a, mod in entries if not a.job.startswith("ghost-")), default=0)
+            held = [a for a, mod in entries if not a.job.startswith("ghost-") or mod < last_grant]
+            if len(held) < len(entries) and self._collision_seen.setdefault(uuid_ + str(last_grant), rev) == rev:
+                self.report.injected_collisions += 1
             jobs = sorted(a.job for a in held)
             mem = sum(a.memory_bytes for a in held)
             if mem > g.memory_bytes:
@@ -378,8 +388,8 @@ class FaultRun:
                 violations.append(f"rev {rev}: GPU {uuid_} compute shares sum to {share:.2f} {jobs}")
             if any(a.mode is QoS.EXCLUSIVE for a in held) and len(held) > 1:
                 violations.append(f"rev {rev}: exclusive slice on {uuid_} shares it with {jobs}")
-        max_term = max((a.term for a, _ in allocs), default=0)
-        max_granted = max((a.granted_at or 0.0 for a, _ in allocs), default=0.0)
+        max_term = max((a.term for a, _, _ in allocs), default=0)
+        max_granted = max((a.granted_at or 0.0 for a, _, _ in allocs), default=0.0)
         with self._lock:
             self.report.samples += 1
             self._samples.append((now, leader_id, leader_term, max_term, max_granted))
