@@ -513,8 +513,9 @@ class PoolClient:
         acks). The leader grants ``spec.gpus_per_node`` slices on every member's node at once
         when all ``spec.nodes`` members joined, and releases every node when one member leaves:
         the other members' leases are then lost (their launcher restarts them and they join
-        again). A preemption directive reaches every member; node rank 0 acks it after the
-        collective checkpoint, and every member's slices go back together.
+        again). A preemption directive reaches every member: every node acks it with
+        :meth:`Lease.ack` once its ranks stopped (node rank 0 with the checkpoint), and the
+        leader releases every node's slices together once all did.
 
         Args:
             spec: the gang's spec (``nodes`` > 1; ``gpus`` is the total). A one-node spec is
