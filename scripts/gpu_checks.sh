@@ -13,7 +13,10 @@ mkdir -p "$out"
 } >"$out/nvidia-smi.txt" 2>&1
 python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
 pip install --quiet torch -e ".[server,test,cuda]" >"$out/pip.log" 2>&1 || pip install --quiet torch -e ".[server,test]" >>"$out/pip.log" 2>&1
-python -m pytest -m gpu -v -s -p no:cacheprovider tests >"$out/pytest-gpu.txt" 2>&1
+pip install --quiet -e integrations/torch -e integrations/lightning >>"$out/pip.log" 2>&1
+# Core GPU tests, then the torch adapter's (replace mode, allocator="gpupool" install + balloon, CuPy).
+python -m pytest -m gpu -v -s -p no:cacheprovider tests integrations/torch/tests integrations/lightning/tests \
+  >"$out/pytest-gpu.txt" 2>&1
 # MIG state through NVML (tests/inventory/test_mig.py reads it too) and the MPS limits check
 # (tests/client/test_mps.py: a real MPS control daemon, the grant's pinned-memory limit enforced).
 python -c "import json, pynvml; pynvml.nvmlInit(); from gpupool_sdk.inventory import mig_admin; print(json.dumps([s.to_dict() for s in mig_admin.list_gpus(pynvml)], indent=2))" >"$out/mig-list.json" 2>&1

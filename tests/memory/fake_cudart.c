@@ -18,6 +18,7 @@ static int g_device = 0;
 static int g_set_device_calls = 0;
 static long long g_limit = -1; /* bytes cudaMalloc may hand out; -1: no limit */
 static long long g_in_use = 0;
+static int g_last_malloc_device = -1;
 static Event *g_events[MAX_EVENTS];
 
 typedef struct {
@@ -31,6 +32,7 @@ int cudaMalloc(void **p, size_t n) {
   if (!h) return 2;
   h->size = n;
   g_in_use += (long long)n;
+  g_last_malloc_device = g_device;
   *p = h + 1;
   return 0;
 }
@@ -103,6 +105,7 @@ int cudaGetLastError(void) { return 0; }
 void fake_set_limit(long long limit) { g_limit = limit; }
 long long fake_in_use(void) { return g_in_use; }
 int fake_device(void) { return g_device; }
+int fake_last_malloc_device(void) { return g_last_malloc_device; }
 int fake_set_device_calls(void) { return g_set_device_calls; }
 int fake_live_events(void) {
   int n = 0;

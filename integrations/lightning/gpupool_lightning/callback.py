@@ -30,6 +30,7 @@ from gpupool_sdk.runtime import EX_TEMPFAIL, PoolAdapter, PoolLeaseLostError, Po
 from gpupool_sdk.runtime.decision import CARRY_ON, Decision, DecisionKind
 from gpupool_sdk.telemetry.phases import PHASE_INDEX, Phase
 from gpupool_torch.data import ResumableDataLoader
+from gpupool_torch.memory import prepare_job_memory
 from gpupool_torch.session import memory_tier
 
 log = logging.getLogger("gpupool_lightning")
@@ -116,6 +117,8 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         self.options = RuntimeOptions.from_kwargs(**options)
         self.runtime = PoolRuntime(self.options, client=client, memory_tier=memory_tier)
         self.runtime.acquire()
+        # allocator="gpupool": the SDK allocator goes in now, before the Trainer touches CUDA.
+        prepare_job_memory(self.options.allocator, self.runtime.spec.memory_bytes or None)
         # The per-step hooks reach the timer through one attribute (it is never replaced).
         self._timer = self.runtime.timer
         self._opt_stepped = False
@@ -134,6 +137,18 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
     def last_checkpoint(self) -> str | None:
         """Path of the last checkpoint this callback wrote (preemption, signal or emergency)."""
         return self._last_checkpoint
+
+    @property
+    def memory_balloon(self) -> Any:
+        """The job's balloon controller on this rank (None with ``allocator="none"`` or before one could be built).
+
+        Built on first use; :class:`~gpupool_lightning.BatchAdapter` subscribes to its limit changes.
+        """
+        try:
+            return self.runtime._balloon_controller()
+        except Exception as exc:  # noqa: BLE001 - a balloon directive reports the error in its ack
+            log.debug("gpupool: no balloon controller: %s", exc)
+            return None
 
     def __enter__(self) -> GpuPoolCallback:
         return self

@@ -46,7 +46,8 @@ from typing import Any
 from gpupool_sdk.runtime import EX_TEMPFAIL, PoolAdapter, PoolLeaseLostError, PoolRuntime, RuntimeOptions
 from gpupool_sdk.runtime.decision import DecisionKind
 from gpupool_sdk.telemetry.phases import Phase
-from gpupool_torch.memory import make_balloon_controller
+from gpupool_torch.memory import make_balloon_controller, prepare_job_memory, rank_device
+from gpupool_torch.memory.torch_hook import installed_devices
 
 __all__ = ["EX_TEMPFAIL", "PoolLeaseLostError", "PoolSession"]
 
@@ -68,8 +69,19 @@ def _default_broadcast() -> Callable[[Any], Any] | None:
 
 
 def memory_tier(kind: str, quota_bytes: int | None) -> Any:
-    """The balloon controller of ``kind`` for the in-job runtime (torch's memory tiers)."""
-    return make_balloon_controller(kind=kind, quota_bytes=quota_bytes)  # type: ignore[arg-type]
+    """The balloon controller of ``kind`` for the in-job runtime, on this rank's device.
+
+    ``"gpupool"`` uses the allocator :func:`~gpupool_torch.memory.prepare_job_memory` installed
+    for the rank's device; on a machine without CUDA (nothing installed) it falls back to the
+    host tier, as ``"torch"`` does.
+    """
+    device = rank_device()
+    if kind == "gpupool" and device not in installed_devices():
+        import torch
+
+        if not torch.cuda.is_available():
+            kind = "host"
+    return make_balloon_controller(kind=kind, quota_bytes=quota_bytes, device=device)  # type: ignore[arg-type]
 
 
 class PoolSession(PoolAdapter):
@@ -96,6 +108,8 @@ class PoolSession(PoolAdapter):
 
     def __enter__(self) -> PoolSession:
         self.runtime.acquire()
+        # allocator="gpupool": the SDK allocator goes in now, before the loop touches CUDA.
+        prepare_job_memory(self.options.allocator, self.runtime.spec.memory_bytes or None)
         self._entered = True
         # The balloon tier measures the footprint from the first publish on; optimizers join it
         # as the loop registers them (add_optimizer).

@@ -181,3 +181,31 @@ def test_torch_tier_balloon_round_trip() -> None:
                 assert v.device == before[(id(p), k)].device and torch.equal(v, before[(id(p), k)])
     finally:
         balloon.set_quota(None)  # lift the memory fraction for the rest of the session
+
+
+def test_gpupool_option_installs_the_allocator_and_balloons() -> None:
+    # What GpuPoolCallback(allocator="gpupool") / PoolSession do right after the lease (issue 15).
+    result = run_script(
+        """
+        import json, torch
+        from gpupool_torch.memory import prepare_job_memory
+        from gpupool_torch.session import memory_tier
+        alloc = prepare_job_memory("gpupool", 512 << 20)
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.Adam(model.parameters())
+        for _ in range(5):
+            opt.zero_grad(); model(torch.randn(256, 1024, device="cuda")).sum().backward(); opt.step()
+        torch.cuda.synchronize()
+        ctl = memory_tier("gpupool", 512 << 20)
+        ctl.add_optimizer(opt)
+        before = alloc.stats()["reserved_bytes.all.current"]
+        res = ctl.inflate(8 << 20)
+        back = ctl.deflate()
+        print(json.dumps({"allocations": alloc.stats()["allocation.all.allocated"], "same": ctl.allocator is alloc,
+                          "before": before, "reached": res.reached_bytes, "offloaded": res.offloaded_bytes,
+                          "restored": back.restored_bytes, "device": ctl.device}))
+        """
+    )
+    assert result["same"] and result["allocations"] > 10 and result["device"] == 0
+    assert result["reached"] < result["before"] and result["offloaded"] > 0
+    assert result["restored"] == result["offloaded"]
