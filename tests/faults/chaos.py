@@ -182,6 +182,7 @@ class FaultRun:
         self._sampling = threading.Event()
         self._excluded_revisions: set[int] = set()  # our own hostile writes (not the leader's)
         self._collision_seen: dict[str, int] = {}
+        self._breaches: set[str] = set()
         self._kills: list[tuple[float, str]] = []  # (time, client name) when a client process was killed
         self._leader_faults: list[tuple[float, int, str]] = []  # (time, term of the leader it hit, kind)
         self._etcd_up: list[float] = []
@@ -394,7 +395,10 @@ class FaultRun:
             self.report.samples += 1
             self._samples.append((now, leader_id, leader_term, max_term, max_granted))
             for v in violations:
-                if v not in self.report.violations:
+                # One entry per GPU and kind of breach (the first revision seen), not one per sample.
+                what = v.split(": ", 1)[1].split(" has ")[0].split(" compute")[0].split(" shares")[0]
+                if what not in self._breaches:
+                    self._breaches.add(what)
                     self.report.violations.append("capacity: " + v)
 
     # ------------------------------------------------------------------ faults
@@ -432,7 +436,8 @@ class FaultRun:
                 self._wait(lambda: self._leader()[1] > term, 60, "a new leader")
             return True
         if kind in ("kill_agent", "stop_agent"):
-            p = self.procs[f"agent-{self.rng.randrange(len(cfg.nodes))}"]
+            i = self.rng.randrange(len(cfg.nodes))
+            p = self.procs[f"agent-{i}"]
             if kind == "kill_agent":
                 self._kill(p)
                 time.sleep(1.0)
@@ -441,6 +446,15 @@ class FaultRun:
                 self._signal(p, signal.SIGSTOP)
                 time.sleep(2.0)
                 self._signal(p, signal.SIGCONT)
+            # One fault at a time: wait until the node's GPUs are published again (a restarted
+            # agent needs a Python start-up, tens of seconds on a busy machine).
+            node = self.node_of_agent[i]
+            want = {g.uuid for g in self.gpus if g.node == node}
+            assert self.store is not None
+            with contextlib.suppress(TimeoutError):
+                self._wait(lambda: want <= {kv.key.rsplit("/", 1)[-1]
+                                            for kv in self.store.get_prefix(self.keys.gpus_prefix(node))[0]},  # type: ignore[union-attr]
+                           90, f"node {node}'s GPUs to be published again")
             return True
         if kind in ("kill_client", "kill_client_with_helper"):
             p = self._client()
