@@ -85,6 +85,7 @@ class FaultConfig:
         seed: order of the faults and the clients' hold times.
         coord_ttl: the coordinators' lease TTL (failover is checked against 2 x this).
         settle_s: bound on waiting for every client to be served again once faults stop.
+        every_kind: go on past ``duration_s`` until every fault kind was injected at least once.
     """
 
     duration_s: float = 40.0
@@ -97,6 +98,7 @@ class FaultConfig:
     coord_ttl: int = 3
     settle_s: float = 120.0
     kinds: tuple[str, ...] = ()
+    every_kind: bool = True
 
     def fault_kinds(self) -> tuple[str, ...]:
         return self.kinds or (SINGLE_KINDS if self.etcd_members == 1 else CLUSTER_KINDS)
@@ -721,7 +723,7 @@ class FaultRun:
             order: list[str] = []
             t_faults = time.monotonic()
             t_end = t_faults + self.cfg.duration_s
-            while time.monotonic() < t_end:
+            while time.monotonic() < t_end or (self.cfg.every_kind and set(kinds) - set(self.report.faults)):
                 if not order:
                     order = kinds[:]
                     self.rng.shuffle(order)

@@ -1,7 +1,9 @@
 """The short fault-injection runs (issue 12): real processes on loopback, every fault kind once or more.
 
-Marked ``slow``; together they run in under 3 minutes on a quiet machine. The long variant is
-``python scripts/faults.py --duration 600`` (figures in ``docs/reliability.md``).
+Marked ``slow``. Each injects every fault kind of its etcd setup at least once (in a seeded
+order, one at a time, each waiting for the pool to recover: a new leader, the agent's GPUs
+published again). The long variant is ``python scripts/faults.py --duration 600`` (figures in
+``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ def _run(cfg: FaultConfig, tmp_path: Path) -> None:
 def test_faults_single_etcd(tmp_path: Path) -> None:
     """Leader, agents and clients killed and paused; etcd killed and restarted on its data dir
     (once past the clients' TTL); garbage under every key kind."""
-    _run(FaultConfig(duration_s=30, etcd_members=1, coordinators=2, nodes=("node-a:2xH100-80GB:nvlink",
+    _run(FaultConfig(duration_s=10, etcd_members=1, coordinators=2, nodes=("node-a:2xH100-80GB:nvlink",
                      "node-b:2xH100-80GB:nvlink"), clients=4, gap_s=0.5, seed=12, kinds=SINGLE_KINDS), tmp_path)
 
 
 def test_faults_three_member_etcd(tmp_path: Path) -> None:
     """Members of a 3-member etcd killed (the raft leader too) and paused, with the other faults."""
-    _run(FaultConfig(duration_s=25, etcd_members=3, coordinators=2, nodes=("node-a:2xH100-80GB:nvlink",),
+    _run(FaultConfig(duration_s=10, etcd_members=3, coordinators=2, nodes=("node-a:2xH100-80GB:nvlink",),
                      clients=3, gap_s=0.5, seed=13, kinds=CLUSTER_KINDS), tmp_path)
