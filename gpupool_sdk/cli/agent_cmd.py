@@ -122,6 +122,10 @@ def _backends(
               help="Serve the agent's per-GPU metrics (health, memory, temperature, ECC, XID) on this port.")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True, envvar="GPUPOOL_METRICS_ADDR", show_envvar=True,
               help="Address the metrics port binds (127.0.0.1: this machine only).")
+@click.option("--mps", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Run a CUDA MPS control daemon for the node's GPUs (auto: when nvidia-cuda-mps-control is "
+              "installed and the GPUs are real), so jobs sharing a GPU get MPS compute and memory limits.")
+@click.option("--mps-pipe-dir", default=None, help="Use an MPS daemon run by others: publish its pipe directory, start nothing.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def agent(
     node: str | None,
@@ -136,6 +140,8 @@ def agent(
     take_over: bool,
     metrics_port: int | None,
     metrics_addr: str,
+    mps: str,
+    mps_pipe_dir: str | None,
     log_level: str,
 ) -> None:
     """Publish a node's GPUs under the agent's etcd lease and keep their health current.
@@ -162,6 +168,12 @@ def agent(
         raise click.BadParameter(f"must be a positive number of seconds, got {refresh_s}", param_hint="--refresh")
 
     backends = _backends(node, simulate, fault_file, thresholds)
+    from gpupool_sdk.agent.mps import with_mps
+
+    try:
+        backends = [with_mps(b, mps, pipe_dir=mps_pipe_dir) for b in backends]
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--mps") from None
     store = EtcdStore(
         resolve_endpoints(endpoints),
         keyspace=Keyspace.from_env(prefix),
