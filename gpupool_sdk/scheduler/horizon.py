@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 
 from gpupool_sdk.resources import JobState
 from gpupool_sdk.scheduler.ordering import remaining_gpu_s
@@ -33,9 +34,12 @@ def time_dependent_order(config: SchedulerConfig) -> bool:
     return config.aging_s_per_priority > 0 or config.max_wait_s > 0 or config.las_promote_after_factor > 0
 
 
-def running_horizon(snapshot: ClusterSnapshot, config: SchedulerConfig) -> float:
+def running_horizon(snapshot: ClusterSnapshot, config: SchedulerConfig, names: Iterable[str] | None = None) -> float:
     """The first instant after ``snapshot.now`` at which a rule about running jobs or directives
     changes its answer (deadlines, minimum run times, LAS queue crossings); ``math.inf`` if none.
+
+    ``names``: the jobs to look at (the scheduler passes those holding allocations, which are the
+    only ones with directives or run times); default every job of the snapshot.
 
     Example:
         >>> from gpupool_sdk.resources import Allocation, JobSpec, QoS
@@ -52,7 +56,8 @@ def running_horizon(snapshot: ClusterSnapshot, config: SchedulerConfig) -> float
         return now
     thresholds = config.las_threshold_gpu_s
     until = math.inf
-    for view in snapshot.jobs.values():
+    jobs = snapshot.jobs
+    for view in jobs.values() if names is None else (jobs[n] for n in names if n in jobs):
         d = view.directive
         if d is not None and d.deadline > now:
             until = min(until, d.deadline)

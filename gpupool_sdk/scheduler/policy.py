@@ -345,7 +345,8 @@ class Scheduler:
         if config.resize_up and cyc.deferred == 0:
             self._grow_fresh(cyc)
             self._resize_up(cyc)
-        valid_until = min(cyc.until, running_horizon(snapshot, config))
+        # Only jobs holding allocations (memo.held) or with a directive in flight have timed rules.
+        valid_until = min(cyc.until, running_horizon(snapshot, config, self._memo.held.keys() | proto.busy))
         return ScheduleResult(tuple(cyc.decisions), considered=considered, valid_until=valid_until)
 
     # ------------------------------------------------------------------ one pending job
