@@ -519,15 +519,16 @@ class VictimIndex:
         asks at least as much of every resource and at least as many GPUs: failed requests are
         remembered and such requests answered without a walk. False is always safe; it is
         answered for requests with anti-affinity (freeing a group member can unblock a node),
-        for jobs restricted to some nodes (the cache is keyed without them), for jobs that hold reservations, and when a balloon target exceeds a quota (the change
-        would not only free).
+        for jobs that hold reservations, and when a balloon target exceeds a quota (the change
+        would not only free). A job restricted to some nodes (``req.nodes``) counts only their
+        GPUs, and its failures are remembered apart from other nodes'.
         """
         ledger = self.ledger
-        if req.anti_affinity is not None or req.nodes or req.job in ledger.blocked_jobs:
-            return False  # (the cache below is keyed without node constraints)
+        if req.anti_affinity is not None or req.job in ledger.blocked_jobs:
+            return False
         self.hopeless_calls += 1
         top = float(math.floor(top_priority))
-        key = (req.qos, req.features, req.gpu_model, top, las)
+        key = (req.qos, req.features, req.gpu_model, top, las, req.nodes)
         front = self._hopeless.get(key)
         if front is not None:
             for m, c, p, n in front:
@@ -543,8 +544,11 @@ class VictimIndex:
         blocked = ledger.blocked
         need = req.min_count
         found = 0
+        only = frozenset(req.nodes)
         for gpu, w in walk.items():
             if id(ledger.class_of(gpu)) not in classes or gpu in blocked:
+                continue
+            if only and ledger.nodes[gpu] not in only:
                 continue
             load = loads[gpu]
             if w.base != load:

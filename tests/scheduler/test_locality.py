@@ -159,3 +159,16 @@ def test_a_preempted_gang_is_released_only_when_every_node_acked() -> None:
     both = _replace(rank0_acked, members=(held.members[0], _replace(held.members[1], acked_seq=3)))
     rel = only(run(snap(g, [both], now=10.0)), "g")
     assert isinstance(rel, Release) and rel.state is JobState.SUSPENDED
+
+
+def test_a_hopeless_preemption_on_one_node_says_nothing_about_another() -> None:
+    g = gpus(TWO)
+    a = [x for x in g.values() if x.node == "node-a"]
+    b = [x for x in g.values() if x.node == "node-b"]
+    strong_a = running(job("strong-a", qos="exclusive", gpus=2, priority=50), a)
+    weak_b = running(job("weak-b", qos="exclusive", gpus=2, priority=0), b)
+    x = job("x", qos="exclusive", gpus=1, priority=10, node="node-a", order=1)
+    y = job("y", qos="exclusive", gpus=1, priority=10, node="node-b", order=2)
+    out = run(snap(g, [strong_a, weak_b, x, y]))
+    assert isinstance(only(out, "x"), Queue)  # nobody on node-a may be preempted for it
+    assert {d.job for d in out if isinstance(d, Preempt)} == {"weak-b"}  # y's search was not cut short
