@@ -385,3 +385,35 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_75(tmp_path: Path) -> No
     assert trainer.global_step == 4 and pool.runtime.resume_from and "signal-step4" in pool.runtime.resume_from
     assert not lease.acks  # nothing to ack: no directive
     assert signal.getsignal(signal.SIGTERM) is not None
+
+
+def test_a_directive_during_validation_is_honoured_within_one_batch_of_it(tmp_path: Path) -> None:
+    """Issue 11, finding 7: a preempt that arrives in a long validation loop checkpoints there (exit 75)."""
+
+    class WithValidation(TinyRegressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def val_dataloader(self) -> Any:
+            return self.train_dataloader()
+
+    lease = FakeLease("val")
+    pool = GpuPoolCallback(memory="1GiB", name="val", client=FakeClient(lease), checkpoint_dir=tmp_path)
+    seen: list[int] = []
+
+    class DuringValidation(pl.Callback):
+        def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                                      dataloader_idx: int = 0) -> None:
+            seen.append(batch_idx)
+            if batch_idx == 2 and not trainer.sanity_checking:
+                pool.runtime.inbox.put(lease.directive())
+
+    torch.manual_seed(7)
+    trainer = make_trainer(pool, tmp_path, epochs=2, extra=[DuringValidation()])
+    with pytest.raises(SystemExit) as exc:
+        trainer.fit(WithValidation(seed=7, samples=64, batch_size=8, num_workers=0, step_sleep=0.0))
+    assert exc.value.code == 75 and lease.released and not lease.lost
+    assert len(lease.acks) == 1 and lease.acks[0]["step"] == 8  # end of epoch 0, inside its validation
+    assert seen[-1] == 2  # stopped after the batch in which it arrived
+    assert Path(lease.acks[0]["checkpoint"]).exists()
