@@ -15,7 +15,9 @@ the lease ids of one consistent read:
   memory above :data:`MAX_GPU_MEMORY_BYTES` is refused as implausible;
 * ``jobs/{job}/spec`` must be on a lease that is not an agent's or the leader's;
 * ``jobs/{job}/members/{node}`` (a gang member) likewise; a member of a job with no live spec
-  is simply waiting for the spec (node rank 0 writes it) and is not a problem.
+  is simply waiting for the spec (node rank 0 writes it) and is not a problem. A member key
+  created after the gang's grant (a node's process restarted before the leader saw it go) is
+  left out of ``JobView.members``, so the gang is released and granted again with it.
 
 Anything else is a :class:`Problem` (logged once per key and revision), never granted and never
 counted as capacity. Allocations are a different matter: *every* allocation in etcd takes
@@ -394,13 +396,13 @@ def build_state(
             specs[spec.name] = (spec, kv)
 
     # Gang members: each on a lease of its own (the member process's), never an agent's or the leader's.
-    members_by_job: dict[str, list[GangMember]] = {}
+    members_by_job: dict[str, list[tuple[GangMember, int]]] = {}
     for m, kv in member_kvs:
         if not kv.lease or kv.lease in agent_leases or (leader_lease and kv.lease == leader_lease):
             bad(kv.key, "a gang member must be written on its own process's etcd lease (PoolClient.join does this); "
                 "ignored", kv.mod_revision)
         else:
-            members_by_job.setdefault(m.job, []).append(m)
+            members_by_job.setdefault(m.job, []).append((m, kv.create_revision))
 
     # Leader-owned job keys belong to the live spec of their job, on its lease; the rest are orphans.
     orphans: list[Orphan] = []
@@ -422,11 +424,13 @@ def build_state(
 
     allocations: list[Allocation] = []
     allocs_by_job: dict[str, list[Allocation]] = {}
+    granted_rev: dict[str, int] = {}  # revision of each job's grant (its allocations' earliest creation)
     for a, kv in alloc_kvs:
         allocations.append(a)
         why = owner_problem(a.job, kv)
         if why is None:
             allocs_by_job.setdefault(a.job, []).append(a)
+            granted_rev[a.job] = min(granted_rev.get(a.job, kv.create_revision), kv.create_revision)
         else:
             orphan(kv, why, a)
     statuses: dict[str, tuple[JobStatus, int]] = {}
@@ -481,7 +485,12 @@ def build_state(
             memory_peak_bytes=_peak_from_telemetry(telemetry.get(name)),
             order=kv.create_revision,
             remaining_s=_remaining_from_telemetry(telemetry.get(name)),
-            members=tuple(sorted(members_by_job.get(name, ()), key=lambda m: (m.node_rank, m.node))),
+            # A member that joined after the grant is a restarted process, not the one the gang was
+            # granted with: it does not count until the gang was released and granted again.
+            members=tuple(sorted(
+                (m for m, rev in members_by_job.get(name, ()) if rev <= granted_rev.get(name, rev)),
+                key=lambda m: (m.node_rank, m.node),
+            )),
         )
         metas[name] = JobMeta(
             name=name,

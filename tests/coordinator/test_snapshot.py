@@ -124,3 +124,23 @@ def test_decode_cache_reuses_unchanged_values_and_forgets_deleted_keys() -> None
     it.kvs = [kv for kv in it.kvs if kv.key != KS.job_spec("bad")]
     build_state(it.kvs, KS, NOW, cache=cache)
     assert KS.job_spec("bad") not in cache.reported
+
+
+def test_gang_members_on_their_own_leases_and_only_those_of_the_grant() -> None:
+    from gpupool_sdk.resources import GangMember
+
+    it = _pool()
+    it.put(KS.job_spec("g"), JobSpec(name="g", gpus=2, nodes=2, memory="10GiB"), lease=0xA)
+    it.put(KS.job_member("g", "node-a"), GangMember("g", "node-a", 0, 2), lease=0xB)
+    it.put(KS.job_member("g", "node-b"), GangMember("g", "node-b", 1, 2), lease=0xC)
+    it.put(KS.job_member("x", "node-a"), GangMember("x", "node-a", 0, 2), lease=0xD)  # waits for its spec
+    it.put(KS.job_member("g", "node-c"), GangMember("g", "node-c", 1, 2), lease=7)  # on the agent's lease
+    state = build_state(it.kvs, KS, NOW)
+    assert [m.node for m in state.snapshot.jobs["g"].members] == ["node-a", "node-b"]
+    assert [p.key for p in state.problems] == [KS.job_member("g", "node-c")]
+    uuid = "GPU-sim-node-a-0"
+    it.put(KS.allocation("node-a", uuid, "g"), Allocation("g", "node-a", uuid, 0, 10 * GiB, 1.0, QoS.GUARANTEED, 1, 0.0),
+           lease=0xA)
+    # node-b's process restarted after the grant: its new member key is not the one granted with.
+    it.put(KS.job_member("g", "node-b"), GangMember("g", "node-b", 1, 2), lease=0xE)  # created anew
+    assert [m.node for m in build_state(it.kvs, KS, NOW).snapshot.jobs["g"].members] == ["node-a"]
