@@ -27,6 +27,7 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("gpupool_sdk.cli.simulate_cmd", "simulate"),
     ("gpupool_sdk.cli.metrics_cmd", "metrics"),
     ("gpupool_sdk.cli.job_cmd", "job"),
+    ("gpupool_sdk.cli.mig_cmd", "mig"),
 )
 
 
