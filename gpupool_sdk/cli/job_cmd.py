@@ -148,6 +148,7 @@ def _describe_lines(doc: dict[str, Any]) -> list[str]:
         out += [
             f"Owner:        {spec.get('owner') or '-'}",
             f"QoS:          {spec.get('qos')}   priority {spec.get('priority')}",
+            f"Node:         {spec.get('node') or 'any'}",
             f"Wants:        {spec.get('gpus')} GPU(s)" + (f", {format_size(mem)} each" if isinstance(mem, int) and mem else "")
             + (f", model {spec['gpu_model']}" if spec.get("gpu_model") else ""),
         ]
