@@ -1,82 +1,71 @@
-"""A DataLoader that resumes mid-epoch, so a preempted job sees exactly the batches it would have.
+"""A DataLoader that resumes mid-epoch exactly: torchdata's ``StatefulDataLoader`` plus the sampler epoch.
 
 Lightning resumes a mid-epoch checkpoint with the right batch index, but an ordinary
-``DataLoader`` starts the epoch over from its first batch (Lightning warns "your dataloader is
-not resumable"). :class:`ResumableDataLoader` implements ``state_dict``/``load_state_dict``;
-:class:`~gpupool_lightning.GpuPoolCallback` tells it at every batch how many
-batches of the epoch training has consumed (Lightning prefetches one batch ahead, so the
-loader's own count would be off by one), and on resume the first ``consumed`` batches of the
-epoch are skipped.
+``DataLoader`` starts the epoch over (Lightning warns "your dataloader is not resumable").
+torchdata's ``StatefulDataLoader`` (a maintained drop-in ``DataLoader``) keeps the sampler's
+position and the shuffle generator's state in ``state_dict()``, which Lightning stores in its
+checkpoints and restores: a shuffled run resumed mid-epoch replays exactly the batches of an
+uninterrupted one, workers included, without fetching the skipped ones.
 
-The skipped batches are fetched and discarded (correct for any deterministic dataset and
-sampler, including ``num_workers > 0`` and a seeded shuffle that depends only on the epoch).
+:class:`ResumableDataLoader` adds the one thing it does not cover: Lightning creates the iterator
+(and prefetches) before it sets the sampler's epoch on a resume, so a shuffling
+``DistributedSampler`` would replay epoch 0's order. The callback tells the loader which epoch
+it is in (:meth:`mark_consumed`), the loader stores it beside torchdata's state and sets the
+sampler's epoch before the resumed iteration.
 
 Example:
     >>> import torch
     >>> from torch.utils.data import TensorDataset
     >>> dl = ResumableDataLoader(TensorDataset(torch.arange(6.0)), batch_size=2)
-    >>> dl.load_state_dict({"consumed": 2})
-    >>> [b[0].tolist() for b in dl]
-    [[4.0, 5.0]]
+    >>> it = iter(dl); _ = next(it)
+    >>> state = dl.state_dict()
+    >>> again = ResumableDataLoader(TensorDataset(torch.arange(6.0)), batch_size=2)
+    >>> again.load_state_dict(state)
+    >>> [b[0].tolist() for b in again]
+    [[2.0, 3.0], [4.0, 5.0]]
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+_EPOCH_KEY = "gpupool_epoch"
 
 
-class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
-    """``torch.utils.data.DataLoader`` plus mid-epoch resume (same arguments)."""
+class ResumableDataLoader(StatefulDataLoader):  # type: ignore[misc]
+    """``torch.utils.data.DataLoader`` with exact mid-epoch resume (same arguments)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.gpupool_consumed = 0
-        self.gpupool_epoch = 0
-        self._gpupool_skip = 0
-        self._gpupool_resume_epoch: int | None = None
+        self.__dict__["gpupool_epoch"] = 0
+        self.__dict__["_gpupool_resume_epoch"] = None
 
     def mark_consumed(self, batches: int, epoch: int = 0) -> None:
-        """Record that training has consumed ``batches`` batches of epoch ``epoch``."""
-        # Called every step: write the instance dict directly, past DataLoader.__setattr__ (a
-        # Python-level check that guards only the loader's own settings, not these counters).
-        d = self.__dict__
-        d["gpupool_consumed"] = batches
-        d["gpupool_epoch"] = epoch
+        """Record the epoch training is in (the batch count is torchdata's to keep)."""
+        # Called every step: write the instance dict directly, past DataLoader.__setattr__.
+        self.__dict__["gpupool_epoch"] = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        """How many batches of which epoch training consumed."""
-        return {"consumed": int(self.gpupool_consumed), "epoch": int(self.gpupool_epoch)}
+        """torchdata's loader state plus the epoch."""
+        state = dict(super().state_dict())
+        state[_EPOCH_KEY] = int(self.gpupool_epoch)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Skip the first ``state["consumed"]`` batches on the next iteration (none at an epoch end)."""
-        consumed = int(state.get("consumed", 0))
-        try:
-            total = len(self)
-        except TypeError:
-            total = None
-        self._gpupool_skip = 0 if total is not None and consumed >= total else consumed
-        self._gpupool_resume_epoch = int(state["epoch"]) if self._gpupool_skip and "epoch" in state else None
-
-    def _set_epoch(self, epoch: int) -> None:
-        # Lightning creates the iterator (and prefetches) before it sets the sampler's epoch on a
-        # resume; a shuffling sampler (DistributedSampler) would replay epoch 0's order.
-        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
+        """Resume where ``state`` was taken, in its epoch."""
+        state = dict(state)
+        epoch = state.pop(_EPOCH_KEY, None)
+        self.__dict__["_gpupool_resume_epoch"] = int(epoch) if epoch is not None else None
+        super().load_state_dict(state)
 
     def __iter__(self) -> Any:
-        if self._gpupool_resume_epoch is not None:
-            self._set_epoch(self._gpupool_resume_epoch)
-            self._gpupool_resume_epoch = None
-        it = super().__iter__()
-        skip, self._gpupool_skip = self._gpupool_skip, 0
-        self.gpupool_consumed = skip
-        for _ in range(skip):
-            try:
-                next(it)
-            except StopIteration:
-                break
-        return it
+        epoch = self.__dict__.get("_gpupool_resume_epoch")
+        if epoch is not None:
+            self.__dict__["_gpupool_resume_epoch"] = None
+            for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+                set_epoch = getattr(sampler, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(epoch)
+        return super().__iter__()

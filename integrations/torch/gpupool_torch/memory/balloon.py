@@ -19,8 +19,10 @@ Tiers (:func:`make_balloon_controller`):
 from __future__ import annotations
 
 import abc
+import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     import torch
 
 TierKind = Literal["torch", "gpupool", "host"]
+
+log = logging.getLogger("gpupool_torch.memory")
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class BalloonController(abc.ABC):
         self._offloaders: list[OptimizerOffloader] = []
         self._lock = threading.RLock()
         self.last_result: BalloonResult | None = None
+        self._limit_listeners: list[Callable[[int | None], None]] = []
 
     # ------------------------------------------------------------------ tier primitives
 
@@ -135,6 +140,33 @@ class BalloonController(abc.ABC):
         return sum(o.resident_bytes() for o in self._offloaders)
 
     @property
+    def limit_bytes(self) -> int | None:
+        """The limit the job trains under now: the smaller of the quota and the balloon target."""
+        return self._limit()
+
+    def add_limit_listener(self, listener: Callable[[int | None], None]) -> None:
+        """Call ``listener(limit_bytes)`` whenever the limit changes (inflate, deflate, set_quota).
+
+        It runs on the thread that changed the limit (the step boundary) and must be cheap; an
+        exception it raises is logged and ignored.
+        """
+        if listener not in self._limit_listeners:
+            self._limit_listeners.append(listener)
+
+    def remove_limit_listener(self, listener: Callable[[int | None], None]) -> None:
+        """Stop calling ``listener``."""
+        if listener in self._limit_listeners:
+            self._limit_listeners.remove(listener)
+
+    def _notify_limit(self) -> None:
+        limit = self._limit()
+        for listener in list(self._limit_listeners):
+            try:
+                listener(limit)
+            except Exception as exc:  # noqa: BLE001 - a listener must not break the balloon
+                log.warning("gpupool: memory limit listener %r failed: %s", listener, exc)
+
+    @property
     def quota_bytes(self) -> int | None:
         """The current quota."""
         return self._quota
@@ -168,6 +200,7 @@ class BalloonController(abc.ABC):
         with self._lock:
             self._quota = None if quota_bytes is None else parse_size(quota_bytes, field="quota_bytes")
             self._apply_limit(self._limit())
+            self._notify_limit()
 
     def inflate(self, target_bytes: SizeLike) -> BalloonResult:
         """Shrinks the footprint to ``target_bytes``: trim, then offload optimizer state.
@@ -184,6 +217,8 @@ class BalloonController(abc.ABC):
         target = parse_size(target_bytes, field="target_bytes")
         with self._lock:
             self._target = target
+            # Listeners (the batch adapter) shrink the next micro-batches before the limit bites.
+            self._notify_limit()
             released = self._apply_limit(self._limit())
             released += self._trim()
             offloaded = 0
@@ -238,6 +273,7 @@ class BalloonController(abc.ABC):
         with self._lock:
             self._target = None
             self._apply_limit(self._limit())
+            self._notify_limit()
             restored = sum(off.release() for off in self._offloaders)
             reached, live = self.usage_bytes(), self.live_bytes()
             result = BalloonResult(
