@@ -52,8 +52,10 @@ def assert_same(a: dict[str, Any], b_path: Path) -> None:
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
 
 
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+def children(pid: int, pattern: str = "") -> list[int]:
+    """Child processes of ``pid`` (whose command line matches ``pattern``)."""
+    args = ["pgrep", "-P", str(pid)] + (["-f", pattern] if pattern else [])
+    out = subprocess.run(args, capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 
 
@@ -89,23 +91,22 @@ def test_sigterm_to_the_script_and_to_gpupool_run_checkpoint_requeue_and_match(
     wait_for(lambda: step_of(live_pool, "job") >= 3, what="the job to train")
     # 1. SIGTERM to the script alone (a kubelet/OOM-style signal to the training process): it
     #    checkpoints, exits 75, and the launcher queues it again.
-    (script,) = children(run.pid)
+    (script,) = children(run.pid, "readme_train")  # not the client's helper process, also a child
     os.kill(script, signal.SIGTERM)
     wait_for(lambda: "preempted; queueing again" in live_pool.log("job"), what="the job to be re-queued")
     assert list((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt"))
     first_signal_ckpts = set((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt"))
-    wait_for(lambda: step_of(live_pool, "job") >= max(8, 1), what="the job to train again")
+    resumed_at = step_of(live_pool, "job")
+    wait_for(lambda: step_of(live_pool, "job") > resumed_at + 2, what="the job to train again")
     # 2. SIGTERM to `gpupool run` (scancel, pod deletion): forwarded, checkpoint, launcher exits 75.
     run.send_signal(signal.SIGTERM)
     assert live_pool.wait_exit(run, "job") == 75, live_pool.log("job")
-    assert set((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt")) - first_signal_ckpts or \
-        len(first_signal_ckpts) >= 1
-    assert not children(run.pid)
+    assert set((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt")) - first_signal_ckpts
+    assert not children(run.pid, "readme_train")
     wait_for(lambda: not live_pool.allocations("job"), what="the job's slices to be released")
     # 3. The outer system runs it again: it resumes and finishes with the same weights.
     again = run_script(live_pool, "job-2", ["--name", "job", "--memory", "30GiB"], "--out", out)
     assert live_pool.wait_exit(again, "job-2") == 0, live_pool.log("job-2")
-    assert "resum" in live_pool.log("job-2").lower() or list((live_pool.tmp / "ckpt").glob("job*.ckpt"))
     assert_same(base, Path(out))
 
 
