@@ -317,7 +317,7 @@ def run_job(
             server.close()
             lost = bool(lease.lost)
             if stop_signal:
-                if not lost and rc == EX_TEMPFAIL:
+                if not lost and rc == EX_TEMPFAIL and server.preempt_acked.is_set():
                     lease.wait_released(timeout=5.0)
                 lease.release()
                 lease = None
@@ -341,7 +341,8 @@ def run_job(
                 lost = True
             if rc == EX_TEMPFAIL or (rc != 0 and lost):
                 why = "preempted" if rc == EX_TEMPFAIL else f"lease lost ({lease.lost_reason})"
-                if not lost:
+                if not lost and server.preempt_acked.is_set():
+                    # The coordinator takes the slices back after the ack; a signal had no directive.
                     lease.wait_released(timeout=30.0)
                 lease.release()
                 lease = None
