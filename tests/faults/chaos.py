@@ -123,6 +123,8 @@ class Report:
     client_errors: dict[str, int] = field(default_factory=dict)
     #: injected orphans written onto a GPU already in use (the injection's overcommit, not a grant's).
     injected_collisions: int = 0
+    #: processes that exited on their own and were restarted, as a supervisor would: name -> last log line.
+    supervisor_restarts: list[str] = field(default_factory=list)
 
     def figures(self) -> dict[str, Any]:
         def q(xs: list[float], p: float) -> float | None:
@@ -151,6 +153,7 @@ class Report:
             "settle_s": round(self.settle_s, 2),
             "client_errors": dict(sorted(self.client_errors.items())),
             "injected_collisions": self.injected_collisions,
+            "supervisor_restarts": len(self.supervisor_restarts),
         }
 
 
@@ -232,6 +235,20 @@ class FaultRun:
         if p.popen is not None and p.popen.poll() is None:
             self._kill(p)
         self._spawn(p)
+
+    def _supervise(self) -> None:
+        """Restart processes that exited on their own, as systemd or Kubernetes would.
+
+        ``gpupool coordinator`` and ``gpupool agent`` exit (code 3) when etcd is unreachable as they
+        start, by design (a wrong --endpoints fails fast); a restart during an etcd outage hits that.
+        """
+        for p in self.procs.values():
+            if p.popen is None or p.popen.poll() is None:
+                continue
+            tail = (self.dir / f"{p.name}.log").read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
+            self.report.supervisor_restarts.append(f"{p.name} exited {p.popen.returncode}: {tail[0][:200]}")
+            self.say(f"  supervisor: {p.name} exited with {p.popen.returncode}; restarting it")
+            self._spawn(p)
 
     def _start_etcd(self) -> None:
         if self.cfg.etcd_members == 1:
@@ -728,6 +745,7 @@ class FaultRun:
                     order = kinds[:]
                     self.rng.shuffle(order)
                 kind = order.pop()
+                self._supervise()
                 if self._inject(kind):
                     self.report.faults[kind] = self.report.faults.get(kind, 0) + 1
                     self.say(f"  fault {sum(self.report.faults.values())}: {kind} "
