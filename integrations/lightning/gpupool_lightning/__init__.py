@@ -1,6 +1,7 @@
 """gpupool-lightning: :class:`GpuPoolCallback` leases GPU slices for a Lightning Trainer.
 
-Works with ``pytorch_lightning`` and with ``lightning.pytorch``. Also brings ``gpupool demo``
+Works with ``pytorch_lightning`` and with ``lightning.pytorch``. :class:`BatchAdapter` (opt in)
+keeps the global batch when the pool changes the job's memory limit. Also brings ``gpupool demo``
 (registered with the core CLI through the ``gpupool.commands`` entry point).
 
 Example::
@@ -15,8 +16,9 @@ Example::
 
 from __future__ import annotations
 
+from gpupool_lightning.batch_adapter import BatchAdapter, BatchChange
 from gpupool_lightning.callback import EX_TEMPFAIL, GpuPoolCallback, PoolLeaseLostError
 from gpupool_torch.data import ResumableDataLoader
 
 __version__ = "0.1.0"
-__all__ = ["EX_TEMPFAIL", "GpuPoolCallback", "PoolLeaseLostError", "ResumableDataLoader", "__version__"]
+__all__ = ["EX_TEMPFAIL", "BatchAdapter", "BatchChange", "GpuPoolCallback", "PoolLeaseLostError", "ResumableDataLoader", "__version__"]
