@@ -38,7 +38,14 @@ from gpupool_sdk.scheduler.health import health_preemptions, unusable_gpus
 from gpupool_sdk.scheduler.horizon import running_horizon, time_dependent_order
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.locality import broken_gangs, gang_problem, node_wait_reason
-from gpupool_sdk.scheduler.ordering import effective_priority, las_rank, order_pending, sort_key, waited_s
+from gpupool_sdk.scheduler.ordering import (
+    effective_priority,
+    las_level,
+    las_rank,
+    order_pending,
+    sort_key,
+    waited_s,
+)
 from gpupool_sdk.scheduler.placement import holdings_for, place
 from gpupool_sdk.scheduler.preempt import (
     Plan,
@@ -393,7 +400,13 @@ class Scheduler:
         # 2-3. Balloon shared jobs down to their predicted peaks, else preempt lower-priority jobs.
         if config.allow_preemption and cyc.actions < config.max_decisions:
             held_for_it = view.name in ledger.blocked_jobs  # others' failures say nothing about its GPUs
-            las = las_bound(view, prio, now, config)
+            known = self._keys.get(view.name) if not view.allocations else None
+            if known is not None and known[0] is view.spec and config.las_threshold_gpu_s and config.las_preempt:
+                # The LAS queue is in the sort key _order kept for this view this cycle.
+                min_queue = int(known[4][2]) + 1  # type: ignore[call-overload]
+                las = (las_level(prio), min_queue) if min_queue <= len(config.las_threshold_gpu_s) else None
+            else:
+                las = las_bound(view, prio, now, config)
             # A failed victim search says nothing about a job with other LAS victims: key by them.
             pkey = shape if las is None else (*shape, las)
             try_balloon = held_for_it or _worth_trying(cyc.no_balloon.get(shape), ledger.frees, prio)
