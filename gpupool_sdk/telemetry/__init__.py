@@ -10,6 +10,8 @@ loaded from their modules on first use.
 * :mod:`~gpupool_sdk.telemetry.pricing`: :class:`PriceTable` (catalog prices + operator overrides).
 * :mod:`~gpupool_sdk.telemetry.advice`: :func:`advise`, right-sizing rules.
 * :mod:`~gpupool_sdk.telemetry.prometheus`: :class:`PoolMetricsCollector`, :func:`serve_metrics`, :class:`JobMetrics`.
+* :mod:`~gpupool_sdk.telemetry.coordinator_metrics`: :class:`CoordinatorMetrics` (scheduler counters, leadership).
+* :mod:`~gpupool_sdk.telemetry.agent_metrics`: :class:`AgentMetrics`, :func:`serve_agent_metrics` (per-GPU health).
 * :mod:`~gpupool_sdk.telemetry.view` / :mod:`~gpupool_sdk.telemetry.report`: read-only pool view and reports.
 """
 
@@ -42,6 +44,10 @@ _LAZY: dict[str, str] = {
     "MetricsServer": "prometheus",
     "PoolMetricsCollector": "prometheus",
     "serve_metrics": "prometheus",
+    "CoordinatorMetrics": "coordinator_metrics",
+    "reason_code": "coordinator_metrics",
+    "AgentMetrics": "agent_metrics",
+    "serve_agent_metrics": "agent_metrics",
     "PoolView": "view",
     "load_view": "view",
 }
