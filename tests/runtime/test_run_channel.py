@@ -12,7 +12,7 @@ import pytest
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import Directive, DirectiveKind
 from gpupool_sdk.runtime.run_channel import ChannelLease, RunChannelServer
-from integrations.lightning.tests.conftest import wait_for
+from testkit import wait_for
 
 
 class FakeLease:

@@ -27,6 +27,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = str(ROOT / "examples" / "readme_train.py")
 ARGS = ["--epochs", "3", "--step-sleep", "0.05"]
 STEPS = 3 * 192 // 8
+#: A whole run (or two, with a restart) of Lightning start-ups on a loaded 2-core machine: a bound, not a goal.
+LONG = 600.0
 
 
 def step_of(pool: LivePool, job: str) -> int:
@@ -75,7 +77,7 @@ def test_preempted_readme_script_exits_75_resumes_and_matches_an_uninterrupted_r
         lease.release()
     finally:
         client.close()
-    assert live_pool.wait_exit(run, "low") == 0, live_pool.log("low")
+    assert live_pool.wait_exit(run, "low", LONG) == 0, live_pool.log("low")
     log = live_pool.log("low")
     assert log.count("SAVED") == 1 and "Traceback" not in log, log
     assert_same(base, tmp_path / "low.pt")
@@ -100,13 +102,13 @@ def test_sigterm_to_the_script_and_to_gpupool_run_checkpoint_requeue_and_match(
     wait_for(lambda: step_of(live_pool, "job") > resumed_at + 2, what="the job to train again")
     # 2. SIGTERM to `gpupool run` (scancel, pod deletion): forwarded, checkpoint, launcher exits 75.
     run.send_signal(signal.SIGTERM)
-    assert live_pool.wait_exit(run, "job") == 75, live_pool.log("job")
+    assert live_pool.wait_exit(run, "job", LONG) == 75, live_pool.log("job")
     assert set((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt")) - first_signal_ckpts
     assert not children(run.pid, "readme_train")
     wait_for(lambda: not live_pool.allocations("job"), what="the job's slices to be released")
     # 3. The outer system runs it again: it resumes and finishes with the same weights.
     again = run_script(live_pool, "job-2", ["--name", "job", "--memory", "30GiB"], "--out", out)
-    assert live_pool.wait_exit(again, "job-2") == 0, live_pool.log("job-2")
+    assert live_pool.wait_exit(again, "job-2", LONG) == 0, live_pool.log("job-2")
     assert_same(base, Path(out))
 
 
@@ -120,14 +122,14 @@ def test_a_crash_is_restarted_from_the_checkpoint_and_a_crash_past_the_budget_sh
     marker = tmp_path / "crashed-once"
     run = run_script(live_pool, "crash", ["--name", "crash", "--memory", "30GiB", "--max-restarts", "1"],
                      "--crash-at", "30", "--crash-marker", str(marker), "--out", str(tmp_path / "crash.pt"))
-    assert live_pool.wait_exit(run, "crash") == 0, live_pool.log("crash")
+    assert live_pool.wait_exit(run, "crash", LONG) == 0, live_pool.log("crash")
     assert "crashed (exit code 1); restart 1/1" in live_pool.log("crash")
     assert_same(base, tmp_path / "crash.pt")
     # Past the budget: FAILED with the exit code and the reason in `gpupool status -o json`.
     marker2 = tmp_path / "crashed-twice"
     run = run_script(live_pool, "doomed", ["--name", "doomed", "--memory", "30GiB", "--max-restarts", "0"],
                      "--crash-at", "5", "--crash-marker", str(marker2), "--out", str(tmp_path / "doomed.pt"))
-    assert live_pool.wait_exit(run, "doomed") == 1, live_pool.log("doomed")
+    assert live_pool.wait_exit(run, "doomed", LONG) == 1, live_pool.log("doomed")
     status = subprocess.run([sys.executable, "-m", "gpupool_sdk.cli.main", "status", "-o", "json"],
                             env=live_pool.env, capture_output=True, text=True, timeout=60, check=True)
     results = {r["job"]: r for r in json.loads(status.stdout)["results"]}
@@ -144,6 +146,6 @@ def test_a_script_killed_by_a_signal_is_reported_as_such_and_restarted(live_pool
             "if not m.exists():\n    m.write_text('x'); os.kill(os.getpid(), signal.SIGKILL)\n")
     run = live_pool.gpupool("oom", "run", "--name", "oom", "--memory", "1GiB", "--max-restarts", "1", "--",
                             sys.executable, "-c", code)
-    assert live_pool.wait_exit(run, "oom") == 0, live_pool.log("oom")
+    assert live_pool.wait_exit(run, "oom", LONG) == 0, live_pool.log("oom")
     log = live_pool.log("oom")
     assert "crashed (killed by SIGKILL); restart 1/1" in log and "exit code -9" not in log
