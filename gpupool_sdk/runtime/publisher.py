@@ -1,10 +1,12 @@
-"""Telemetry of one training process: the memory-peak meter and the summary publisher.
+"""Telemetry of one training process: the memory-peak meter, the per-phase probe, the publisher.
 
-Both work only at step boundaries where something is due (a publish, a balloon), never per step.
+They work only at step boundaries where something is due (a publish, a balloon) and at the phase
+boundaries of one sampled step per window, never per allocation.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -16,7 +18,7 @@ from typing import Any
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.runtime.leases import JobLease
 from gpupool_sdk.telemetry.phases import PhaseTimer
-from gpupool_sdk.telemetry.summary import TelemetrySummary, from_phase_timer
+from gpupool_sdk.telemetry.summary import PEAK_HISTORY_LEN, TelemetrySummary, from_phase_timer
 
 log = logging.getLogger("gpupool_sdk.runtime")
 
@@ -49,6 +51,8 @@ class MemoryPeakMeter:
     def __init__(self, peak_fn: Callable[[], int | None] | None, tier: Callable[[], Any]) -> None:
         self.peak_fn = peak_fn
         self._tier = tier
+        #: ``() -> controller | None`` (shared with :class:`PhasePeakProbe`).
+        self.tier = tier
         self._reported: int | None = None
         self._boundary = 0
         self._torch_peak_seen = 0
@@ -110,6 +114,76 @@ class MemoryPeakMeter:
         return lifetime if rose else current
 
 
+class PhasePeakProbe:
+    """Per-phase memory peaks, read at the phase boundaries of one sampled step per publish window.
+
+    Never per allocation and never on the other steps: after each publication the probe is
+    armed for the next optimizer step; the adapter calls :meth:`phase_end` at that step's phase
+    boundaries (one attribute read, ``armed``, on every other step). Each call reads the memory
+    tier's ``phase_peak_reader()``: on the SDK allocator the reserved-bytes peak since the
+    previous call (its peak counters are then reset), on PyTorch's allocator the bytes reserved
+    at the boundary (reserved memory only grows within a step unless a cache is emptied, so it
+    is that phase's peak), on the host tier reserved bytes plus resident optimizer state. What
+    is read also counts toward the window's peak (:meth:`MemoryPeakMeter.note_boundary`).
+
+    Args:
+        meter: the window's peak meter.
+        tier: ``() -> controller | None``: the balloon controller in use.
+    """
+
+    def __init__(self, meter: MemoryPeakMeter, tier: Callable[[], Any]) -> None:
+        self.meter = meter
+        self._tier = tier
+        #: True while the sampled step runs (the adapters' hooks read only this).
+        self.armed = False
+        self._reader: Callable[[], int] | None = None
+        self._peaks: dict[str, int] = {}
+        self._last: dict[str, int] = {}
+
+    def arm(self) -> None:
+        """Sample the next step (a no-op when the memory tier cannot be read)."""
+        ctl = self._tier()
+        make = getattr(ctl, "phase_peak_reader", None)
+        if make is None:
+            return
+        try:
+            reader = make()
+            self.meter.note_boundary(int(reader()))  # the window so far; the phase peaks start here
+        except Exception as exc:  # noqa: BLE001 - measuring must never stop training
+            log.debug("per-phase memory peaks not sampled: %s", exc)
+            return
+        self._reader = reader
+        self._peaks = {}
+        self.armed = True
+
+    def phase_end(self, phase: str) -> None:
+        """The sampled step's ``phase`` ended: read the peak since the previous boundary."""
+        reader = self._reader
+        if reader is None:
+            self.armed = False
+            return
+        try:
+            value = int(reader())
+        except Exception as exc:  # noqa: BLE001 - measuring must never stop training
+            log.debug("per-phase memory peak not read: %s", exc)
+            self.armed = False
+            return
+        self.meter.note_boundary(value)
+        if value > self._peaks.get(phase, -1):
+            self._peaks[phase] = value
+
+    def step_end(self) -> None:
+        """The sampled step ended with its optimizer phase; its peaks become the published ones."""
+        self.phase_end("optimizer")
+        if self._peaks:
+            self._last = dict(self._peaks)
+        self.armed = False
+
+    def take(self) -> dict[str, int]:
+        """Per-phase peaks of the last sampled step (kept until a newer step is sampled)."""
+        return dict(self._last)
+
+
 class TelemetryPublisher:
     """Hands a rolling summary to the lease every ``interval_s`` (the lease's I/O is off-thread).
 
@@ -132,6 +206,10 @@ class TelemetryPublisher:
         self._server: Any = None
         #: The job's declared length in optimizer steps, when it knows it.
         self.total_steps: int | None = None
+        #: Per-phase peaks of one sampled step per window (the adapters drive it).
+        self.phase_probe = PhasePeakProbe(meter, meter.tier)
+        #: The peaks of the recent windows, published as ``memory_peak_history``.
+        self.peak_history: collections.deque[int] = collections.deque(maxlen=PEAK_HISTORY_LEN)
 
     def set_total_steps(self, total_steps: int | float | None) -> None:
         """The job's declared length (steps); None or infinite when unknown."""
@@ -164,8 +242,15 @@ class TelemetryPublisher:
 
     def build(self, step: int) -> TelemetrySummary:
         """The summary to publish now; starts the next memory-peak window."""
+        peak = self.meter.take()
+        if peak is not None:
+            self.peak_history.append(peak)
         summary = from_phase_timer(self.job, step, self.timer.summary(), published_at=time.time(),
-                                   sampler=self.sampler, memory_peak_bytes=self.meter.take())
+                                   sampler=self.sampler, memory_peak_bytes=peak,
+                                   memory_peak_by_phase=self.phase_probe.take())
+        if self.peak_history:
+            summary = dataclasses.replace(summary, memory_peak_history=tuple(self.peak_history))
+        self.phase_probe.arm()
         return self._with_progress(summary, step)
 
     def _with_progress(self, summary: TelemetrySummary, step: int) -> TelemetrySummary:

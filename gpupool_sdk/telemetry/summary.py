@@ -142,6 +142,10 @@ class SliceTelemetry:
         )
 
 
+#: How many recent window peaks a summary carries (``memory_peak_history``).
+PEAK_HISTORY_LEN = 32
+
+
 @dataclass(frozen=True)
 class TelemetrySummary:
     """A job's phase-aware utilisation summary (``telemetry/{job}``).
@@ -162,6 +166,9 @@ class TelemetrySummary:
         remaining_s: estimated seconds of training left (declared length minus ``step``, times the
             measured step time, on the GPUs held now); None when the job does not know its length.
         progress: fraction of the declared length done, 0-1 (``step / total_steps``); None when unknown.
+        memory_peak_history: the job's per-slice peaks of its recent windows, oldest first, this
+            window's included (at most :data:`PEAK_HISTORY_LEN`); the coordinator predicts the
+            job's peak from it (a high percentile) instead of from one window.
 
     Example:
         >>> s = TelemetrySummary.build("bert", step=10, steps_per_s=2.0, window_s=30,
@@ -184,9 +191,19 @@ class TelemetrySummary:
     published_at: float = 0.0
     remaining_s: float | None = None
     progress: float | None = None
+    memory_peak_history: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        hist = self.memory_peak_history
+        if isinstance(hist, (str, bytes)) or not isinstance(hist, (list, tuple)):
+            raise SpecError("memory_peak_history", f"must be a list of byte counts, got {hist!r}")
+        if len(hist) > PEAK_HISTORY_LEN:
+            hist = tuple(hist)[-PEAK_HISTORY_LEN:]
+        for v in hist:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise SpecError("memory_peak_history", f"must hold byte counts >= 0, got {v!r}")
+        set_(self, "memory_peak_history", tuple(int(v) for v in hist))
         if not isinstance(self.job, str) or not self.job:
             raise SpecError("job", f"must be the job name, got {self.job!r}")
         if not isinstance(self.step, int) or self.step < 0:
@@ -293,6 +310,7 @@ class TelemetrySummary:
             "published_at": self.published_at,
             "remaining_s": self.remaining_s,
             "progress": self.progress,
+            "memory_peak_history": list(self.memory_peak_history),
         }
 
     @classmethod
@@ -329,6 +347,7 @@ class TelemetrySummary:
             published_at=opt(d, "published_at", float, where, 0.0),
             remaining_s=opt(d, "remaining_s", (int, float), where, None),
             progress=opt(d, "progress", (int, float), where, None),
+            memory_peak_history=tuple(opt(d, "memory_peak_history", list, where, [])),
         )
 
 

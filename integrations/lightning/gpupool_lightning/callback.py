@@ -121,6 +121,8 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         prepare_job_memory(self.options.allocator, self.runtime.spec.memory_bytes or None)
         # The per-step hooks reach the timer through one attribute (it is never replaced).
         self._timer = self.runtime.timer
+        # Per-phase memory peaks: read at the phase boundaries of one sampled step per window.
+        self._probe = self.runtime.publisher.phase_probe
         self._opt_stepped = False
         self._broadcast: Any = None
         self._resumable: list[ResumableDataLoader] = []
@@ -187,6 +189,8 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
     # allocation, no I/O; between directives the check is an attribute read.
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._timer.switch(_DATA, _FORWARD)
+        if self._probe.armed:
+            self._probe.phase_end("data")
         rt = self.runtime
         if rt.inbox.lost and self._broadcast is None:
             self._fence(trainer, Decision(kind=DecisionKind.LOST, reason=rt.inbox.lost_reason))
@@ -197,9 +201,13 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         self._timer.switch(_FORWARD, _BACKWARD)
+        if self._probe.armed:
+            self._probe.phase_end("forward")
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         self._timer.switch(_BACKWARD, -1)
+        if self._probe.armed:
+            self._probe.phase_end("backward")
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._opt_stepped = True
@@ -214,6 +222,8 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
             return
         rt = self.runtime
         now: float | None = self._timer.finish_step(_OPTIMIZER)
+        if self._probe.armed:
+            self._probe.step_end()
         check = True
         every = self.options.check_every_n_steps
         if every != 1:

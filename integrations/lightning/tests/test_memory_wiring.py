@@ -71,3 +71,20 @@ def test_balloon_to_a_gpupool_job_is_acked_with_the_bytes_reached(
     assert alloc.stats()["reserved_bytes.all.current"] == 20 * MiB and alloc.target == 24 * MiB
     free(live, 3 * MiB, 0, None)
     pool.close()
+
+
+def test_lightning_job_publishes_phase_peaks_and_history(tmp_path: Path) -> None:
+    from gpupool_lightning.demo.job import TinyRegressor
+
+    lease = FakeLease("phases")
+    pool = GpuPoolCallback(memory="1GiB", name="phases", client=FakeClient(lease), checkpoint_dir=tmp_path,
+                           telemetry_interval_s=0.001)
+    torch.manual_seed(7)
+    trainer = make_trainer(pool, tmp_path, epochs=1)
+    trainer.fit(TinyRegressor(seed=7, samples=64, batch_size=8, num_workers=0, step_sleep=0.0))
+    pool.close()
+    last = lease.telemetry[-1]
+    # host tier: resident optimizer state (SGD momentum) is the footprint, read at each phase boundary
+    assert set(last["memory_peak_by_phase"]) == {"data", "forward", "backward", "optimizer"}
+    assert min(last["memory_peak_by_phase"].values()) > 0
+    assert len(last["memory_peak_history"]) >= 2 and last["memory_peak_history"][-1] == last["memory_peak_bytes"]

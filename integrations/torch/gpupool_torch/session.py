@@ -40,7 +40,8 @@ is initialised.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gpupool_sdk.runtime import EX_TEMPFAIL, PoolAdapter, PoolLeaseLostError, PoolRuntime, RuntimeOptions
@@ -66,6 +67,14 @@ def _default_broadcast() -> Callable[[Any], Any] | None:
         return box[0]
 
     return broadcast
+
+
+@contextlib.contextmanager
+def _probed(timed: Any, probe: Any, phase: str) -> Iterator[None]:
+    with timed:
+        yield
+    if phase != "optimizer":  # the optimizer phase is read by step_end
+        probe.phase_end(phase)
 
 
 def memory_tier(kind: str, quota_bytes: int | None) -> Any:
@@ -154,8 +163,14 @@ class PoolSession(PoolAdapter):
             raise rt.fence(Decision(kind=DecisionKind.LOST, reason=rt.inbox.lost_reason), rt.step, None)
 
     def phase(self, phase: Phase) -> Any:
-        """``with pool.phase(Phase.FORWARD): ...`` times one phase of the step."""
-        return self.runtime.timer.phase(phase)
+        """``with pool.phase(Phase.FORWARD): ...`` times one phase of the step.
+
+        On one sampled step per telemetry window it also reads the memory peak of the phase.
+        """
+        probe = self.runtime.publisher.phase_probe
+        if not probe.armed:
+            return self.runtime.timer.phase(phase)
+        return _probed(self.runtime.timer.phase(phase), probe, phase.value)
 
     def step_end(self, step: int, save: Callable[[str], None]) -> bool:
         """Close the step; act on a directive or signal. Returns True when the loop must stop (preempted).
@@ -170,6 +185,8 @@ class PoolSession(PoolAdapter):
         """
         rt = self.runtime
         rt.timer.step_end()
+        if rt.publisher.phase_probe.armed:
+            rt.publisher.phase_probe.step_end()
         rt.step = step
         if step % self.options.check_every_n_steps != 0:
             rt.publisher.maybe_publish(rt.lease, step)

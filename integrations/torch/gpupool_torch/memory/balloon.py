@@ -360,6 +360,20 @@ class AllocatorBalloonController(BalloonController):
         st = self.allocator.stats()
         return st["reserved_bytes.all.current"], st["allocated_bytes.all.current"]
 
+    def phase_peak_reader(self) -> Callable[[], int]:
+        """``() -> bytes``: the reserved-bytes peak since the previous call (resets the allocator's peaks).
+
+        Plus resident optimizer state on the host tier. For per-phase peaks at phase boundaries.
+        """
+        alloc = self.allocator
+
+        def read() -> int:
+            peak = int(alloc.stats()["reserved_bytes.all.peak"])
+            alloc.reset_peak_stats()
+            return peak + (self._resident_state() if self._count_optimizer_state else 0)
+
+        return read
+
     def _tier_stats(self) -> dict[str, Any]:
         st = self.allocator.stats()
         return {
@@ -423,6 +437,15 @@ class TorchBalloonController(BalloonController):
 
     def _device_usage(self) -> tuple[int, int]:
         return int(self.cuda.memory_reserved(self.device)), int(self.cuda.memory_allocated(self.device))
+
+    def phase_peak_reader(self) -> Callable[[], int]:
+        """``() -> bytes``: PyTorch's reserved bytes now (its peak counters are the user's: never reset).
+
+        Reserved memory only grows within a step unless a cache is emptied, so at the end of a
+        phase it is that phase's peak.
+        """
+        cuda, device = self.cuda, self.device
+        return lambda: int(cuda.memory_reserved(device))
 
     def _tier_stats(self) -> dict[str, Any]:
         st = self.cuda.memory_stats(self.device)
