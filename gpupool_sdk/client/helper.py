@@ -18,9 +18,9 @@ Riding out etcd faults (issue 12):
   :data:`REVOKE_RETRY_S`), so the job's name and slices are free as soon as etcd is back instead
   of one TTL later (etcd restarts the TTL of every lease when it restarts).
 * **Restart under the same name**: the spec is created together with ``jobs/{job}/owner`` (host,
-  pids). A spec left by this host's own earlier holder whose helper is gone (or by a lease this
-  helper is still revoking) is revoked and taken over instead of raising
-  :class:`JobAlreadyRunningError`.
+  pids and start times). A spec left by this host's own earlier holder whose helper is gone, or
+  whose training process is gone (its helper is only releasing it), or on a lease this helper is
+  still revoking, is revoked and taken over instead of raising :class:`JobAlreadyRunningError`.
 """
 
 from __future__ import annotations
@@ -135,6 +135,8 @@ class _Session:
     ended: bool = False
     ever_granted: bool = False
     spec_gone: bool = False
+    #: its acquire is still setting up (listings, watches): no reply yet, its thread decides.
+    starting: bool = False
 
     @property
     def job(self) -> str:
@@ -171,6 +173,7 @@ class Helper:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self.start_ticks = process_start_ticks(self.pid)
+        self.parent_start_ticks = process_start_ticks(parent_pid) if parent_pid else None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -216,7 +219,10 @@ class Helper:
         req_id = msg.get("id", -1)
         try:
             if op == "acquire":
-                self.acquire(req_id, msg["spec"], msg.get("timeout"))
+                # In a thread of its own: it may retry an unreachable etcd until the caller's
+                # timeout, and the loop must keep serving releases, acks and deadlines meanwhile.
+                threading.Thread(target=self._acquire_thread, args=(req_id, msg["spec"], msg.get("timeout")),
+                                 name=f"gpupool-acquire:{msg['spec'].name}", daemon=True).start()
             elif op == "ack":
                 self.reply(req_id, self.write_ack(msg["job"], msg["ack"]))
             elif op == "release":
@@ -239,6 +245,15 @@ class Helper:
                 self.reply(req_id, error=exc)
 
     # ------------------------------------------------------------------ acquire
+
+    def _acquire_thread(self, req_id: int, spec: JobSpec, timeout: float | None) -> None:
+        try:
+            self.acquire(req_id, spec, timeout)
+        except GpupoolError as exc:
+            self.reply(req_id, error=exc)
+        except Exception as exc:  # never let a bug kill the helper: the lease would go with it
+            log.exception("helper request acquire failed")
+            self.reply(req_id, error=exc)
 
     def acquire(self, req_id: int, spec: JobSpec, timeout: float | None) -> None:
         job = spec.name
@@ -266,6 +281,7 @@ class Helper:
             if session is None or session.keeper is not keeper:
                 session = _Session(spec=spec, keeper=keeper, lease_id=keeper.lease_id, pending_id=req_id)
                 session.deadline = deadline
+            session.starting = True
             with self._lock:
                 self.sessions[job] = session
             try:
@@ -275,6 +291,10 @@ class Helper:
                     w.cancel()
                 session.watchers.clear()
                 raise
+            if keeper.lost or session.ended:
+                # Lost while setting up (an outage past the TTL): go again with a new lease.
+                raise StoreUnavailableError(f"the lease of {job!r} was lost while its acquire was starting")
+            session.starting = False
             return session
 
         def give_up(state: Any) -> bool:
@@ -315,7 +335,8 @@ class Helper:
         job = spec.name
         spec_key, owner_key = self.keys.job_spec(job), self.keys.job_owner(job)
         owner = encode({"host": self.host, "helper_pid": self.pid, "helper_start": self.start_ticks,
-                        "parent_pid": self.parent_pid, "lease": lease_id, "at": time.time()}, kind="JobOwner")
+                        "parent_pid": self.parent_pid, "parent_start": self.parent_start_ticks, "lease": lease_id,
+                        "at": time.time()}, kind="JobOwner")
         for _ in range(3):
             try:
                 created = self.store.txn(
@@ -366,9 +387,14 @@ class Helper:
             return None
         if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
             return None
-        if process_alive(pid, start):
-            return None
-        return f"the I/O helper that held it (pid {pid} on {self.host}) is gone"
+        if not process_alive(pid, start):
+            return f"the I/O helper that held it (pid {pid} on {self.host}) is gone"
+        # The helper lives on, but its training process is gone: it is only revoking (or about to).
+        ppid, pstart = owner.get("parent_pid"), owner.get("parent_start")
+        if (isinstance(ppid, int) and not isinstance(ppid, bool) and isinstance(pstart, int)
+                and not isinstance(pstart, bool) and not process_alive(ppid, pstart)):
+            return f"the training process that held it (pid {ppid} on {self.host}) is gone; its helper is releasing it"
+        return None
 
     def _stop_keeper(self, keeper: LeaseKeeper, job: str) -> None:
         """Stop ``keeper`` and revoke its lease; one etcd could not take is retried in the background."""
@@ -537,7 +563,7 @@ class Helper:
                 # Another node of the gang left: the leader released every node (no half-gang trains).
                 self.lost(s.job, LeaseLostError(f"gang {s.job!r} was released on every node: {s.status.reason}"))
                 return
-            if s.pending_id is None:
+            if s.pending_id is None or s.starting:
                 return
             if s.granted():
                 req_id, s.pending_id = s.pending_id, None
@@ -552,7 +578,8 @@ class Helper:
     def check_deadlines(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [s for s in self.sessions.values() if s.pending_id is not None and s.deadline is not None and now > s.deadline]
+            expired = [s for s in self.sessions.values()
+                       if s.pending_id is not None and not s.starting and s.deadline is not None and now > s.deadline]
         for s in expired:
             with self._lock:
                 if s.pending_id is None:
@@ -607,7 +634,11 @@ class Helper:
             self.sessions.pop(job, None)
             pending, s.pending_id = s.pending_id, None
             left = None if s.deadline is None else s.deadline - time.monotonic()
-            if pending is not None and not s.ever_granted and (left is None or left > 0):
+            if s.starting:
+                # Its acquire thread is still setting up and retries with a new lease itself.
+                s.pending_id = pending
+                resubmit = True
+            elif pending is not None and not s.ever_granted and (left is None or left > 0):
                 # Still waiting for its grant: an outage cost it its lease, not its place in line.
                 # Submit again under a new lease within what is left of the caller's timeout.
                 log.warning("job %s lost its lease while waiting for a grant (%s); submitting it again", job, exc)
