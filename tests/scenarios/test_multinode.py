@@ -97,7 +97,9 @@ def test_without_gpupool_node_two_agents_on_one_machine_are_a_clear_error(pool: 
 def test_with_one_agent_the_node_comes_from_its_file(pool: Pool) -> None:
     pool.gpus("node-a:1xA100-40GB:pcie")
     pool.coordinator("c1")
-    (agent_file,) = (Path(os.environ["GPUPOOL_RUNTIME_DIR"])).glob("agent-*.json")
+    # The agent writes its file once its nodes are published (just after the GPUs appear).
+    run_dir = Path(os.environ["GPUPOOL_RUNTIME_DIR"])
+    (agent_file,) = wait_for(lambda: list(run_dir.glob("agent-*.json")), DEADLINE, "the agent's node file")
     assert json.loads(agent_file.read_text())["nodes"] == ["node-a"]
     x = spawn(pool, "x", "client_proc.py", JobSpec(name="x", memory="10GiB"), {})
     pool.wait_output(x, "GRANTED node-a/")
