@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from typing import Any
@@ -219,6 +219,11 @@ class TimeSliceGate:
         job: this job's name.
         conn: the channel to the keeper (an end of a ``multiprocessing.Pipe``).
         proc: the keeper process, if this gate owns it.
+        on_pause: called (training thread) when this job hands the GPU over and is about to wait:
+            the place to make the switch cheap, e.g. offload optimizer state with the balloon
+            controller when the sharers' memory does not fit together.
+        on_resume: called when the turn comes back, before the next step (restore what
+            ``on_pause`` moved).
 
     Attributes:
         held_s: seconds this job held the turn (quanta used, up to the last boundary).
@@ -226,10 +231,19 @@ class TimeSliceGate:
         turns: turns received.
     """
 
-    def __init__(self, job: str, conn: Any, proc: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(
+        self,
+        job: str,
+        conn: Any,
+        proc: subprocess.Popen[bytes] | None = None,
+        on_pause: Callable[[], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
+    ) -> None:
         self.job = job
         self._conn = conn
         self._proc = proc
+        self.on_pause = on_pause
+        self.on_resume = on_resume
         self._cond = threading.Condition()
         self._state = GateState()
         self._alone = True  # read without the lock on the fast path
@@ -259,6 +273,8 @@ class TimeSliceGate:
         settings: TimeSliceSettings | None = None,
         security: Any = None,
         start_timeout_s: float = 60.0,
+        on_pause: Callable[[], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
     ) -> TimeSliceGate:
         """Start the keeper process for one GPU of this job and return the gate.
 
@@ -272,6 +288,8 @@ class TimeSliceGate:
             settings: period and overrun.
             security: an :class:`~gpupool_sdk.store.security.EtcdSecurity` (default: from the environment).
             start_timeout_s: how long to wait for the keeper to connect.
+            on_pause: see the class (called when handing the GPU over).
+            on_resume: see the class (called when the turn comes back).
 
         Raises:
             GpupoolError: the keeper could not start or reach etcd.
@@ -315,8 +333,7 @@ class TimeSliceGate:
         if hello.get("op") == "error":
             proc.wait()
             raise GpupoolError(f"the time-slicing keeper could not start: {hello.get('message')}")
-        gate = cls(job, ours, proc)
-        return gate
+        return cls(job, ours, proc, on_pause=on_pause, on_resume=on_resume)
 
     def close(self) -> None:
         """Leave the rotation: the keeper removes this job's membership and turn and exits."""
@@ -401,6 +418,10 @@ class TimeSliceGate:
         self._holding = False
         self.held_s += now - self._turn_start
 
+    def _my_turn(self) -> bool:
+        st = self._state
+        return st.holder == self.job and st.seq != self._handed
+
     def _contended(self) -> None:
         with self._cond:
             now = time.monotonic()
@@ -413,18 +434,26 @@ class TimeSliceGate:
                     with contextlib.suppress(OSError):
                         self._conn.send({"op": "done", "seq": self._seq})
                 self._stop_holding(now)
-            began = now
-            while not self._alone and not self._closed:
-                st = self._state
-                if st.holder == self.job and st.seq != self._handed:
-                    break
+            paused = False
+            if not self._my_turn() and not self._alone and not self._closed and self.on_pause is not None:
+                paused = True
+                self._cond.release()  # the hook may take long (offload); the reader must go on
+                try:
+                    self.on_pause()
+                finally:
+                    self._cond.acquire()
+            began = time.monotonic()
+            while not self._alone and not self._closed and not self._my_turn():
                 self._cond.wait(1.0)
+            st = self._state
             now = time.monotonic()
             self.waited_s += now - began
-            if self._alone or self._closed:
-                return
-            self._holding = True
-            self._seq = st.seq
-            self.turns += 1
-            self._turn_start = now
-            self._turn_end = now + st.quantum_s
+            if not (self._alone or self._closed):
+                self._holding = True
+                self._seq = st.seq
+                self.turns += 1
+        if paused and self.on_resume is not None:
+            self.on_resume()
+        # The quantum starts after the resume hook: restoring state is not the job's GPU time.
+        self._turn_start = time.monotonic()
+        self._turn_end = self._turn_start + st.quantum_s

@@ -171,3 +171,38 @@ def test_a_killed_holder_hands_the_gpu_on(etcd_endpoint: str, store: EtcdStore, 
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
         gate.close()
+
+
+def test_gate_with_a_scripted_keeper_hands_over_pauses_resumes_and_opens_when_the_keeper_dies() -> None:
+    import threading
+    from multiprocessing import Pipe
+
+    ours, keeper = Pipe(duplex=True)
+    events: list[str] = []
+    gate = TimeSliceGate("a", ours, on_pause=lambda: events.append("pause"), on_resume=lambda: events.append("resume"))
+    try:
+        assert gate.alone
+        gate.step_boundary()  # alone: nothing happens
+        assert gate.turns == 0
+        keeper.send({"op": "state", "alone": False, "holder": "a", "seq": 1, "quantum_s": 0.2, "members": 2})
+        wait_for(lambda: not gate.alone, what="the gate to see a sharer")
+        gate.step_boundary()  # our turn: taken at once
+        assert gate.turns == 1 and events == []
+        time.sleep(0.25)  # quantum used
+        t = threading.Thread(target=gate.step_boundary)
+        t.start()
+        assert keeper.poll(10) and keeper.recv() == {"op": "done", "seq": 1}
+        wait_for(lambda: events == ["pause"], what="the pause hook")
+        keeper.send({"op": "state", "alone": False, "holder": "b", "seq": 2, "quantum_s": 0.2, "members": 2})
+        time.sleep(0.2)
+        assert t.is_alive()  # b's turn: we wait
+        keeper.send({"op": "state", "alone": False, "holder": "a", "seq": 3, "quantum_s": 0.2, "members": 2})
+        t.join(10)
+        assert not t.is_alive() and events == ["pause", "resume"] and gate.turns == 2
+        keeper.close()  # the keeper dies: the gate opens rather than blocking training
+        wait_for(lambda: gate.alone, what="the gate to open")
+        time.sleep(0.25)
+        gate.step_boundary()
+        assert gate.turns == 2
+    finally:
+        gate.close()
