@@ -9,7 +9,6 @@ from typing import Any
 from gpupool_sdk.resources._fields import opt, req, strings
 from gpupool_sdk.resources.units import format_size
 
-
 #: feature every MIG GPU instance publishes; such a GPU takes only jobs that ask for a MIG profile.
 MIG_INSTANCE_FEATURE = "mig-instance"
 #: a MIG instance of profile P publishes the feature ``mig:P``; a job's ``mig_profile`` asks for it.
