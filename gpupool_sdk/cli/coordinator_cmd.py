@@ -117,6 +117,7 @@ def coordinator(
         config = policy.scheduler
         if config.etcd_max_txn_ops == 0:
             config = replace(config, etcd_max_txn_ops=DEFAULT_ETCD_MAX_TXN_OPS)  # etcd always has a limit
+            policy = replace(policy, scheduler=config)
         etcd_max_txn_ops = config.etcd_max_txn_ops
         prices = policy.price_table()
     except ConfigError as exc:
