@@ -166,6 +166,21 @@ def _peak_from_telemetry(body: Mapping[str, Any] | None) -> int | None:
     return None
 
 
+def _peak_history_from_telemetry(body: Mapping[str, Any] | None) -> tuple[int, ...]:
+    # ``memory_peak_history`` of the job's TelemetrySummary (its recent window peaks, oldest first);
+    # absent or malformed reads as none (the scheduler then uses the latest peak alone).
+    if not body:
+        return ()
+    for holder in (body, body.get("summary")):
+        if isinstance(holder, Mapping):
+            v = holder.get("memory_peak_history")
+            if isinstance(v, list) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in v
+            ):
+                return tuple(int(x) for x in v[-32:])
+    return ()
+
+
 def _remaining_from_telemetry(body: Mapping[str, Any] | None) -> float | None:
     # ``remaining_s`` of the job's TelemetrySummary (seconds of training left, published by a job
     # that knows its length); absent, null or malformed reads as unknown (LAS ranks the job).
@@ -483,6 +498,7 @@ def build_state(
             directive=directives.get(name),
             ack=ack,
             memory_peak_bytes=_peak_from_telemetry(telemetry.get(name)),
+            memory_peak_history=_peak_history_from_telemetry(telemetry.get(name)),
             order=kv.create_revision,
             remaining_s=_remaining_from_telemetry(telemetry.get(name)),
             # A member that joined after the grant is a restarted process, not the one the gang was

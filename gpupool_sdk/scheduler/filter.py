@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from gpupool_sdk.resources import GpuInfo, QoS
 from gpupool_sdk.resources.gpu import MIG_INSTANCE_FEATURE, MIG_PROFILE_PREFIX, mig_feature
 from gpupool_sdk.resources.units import format_size
+from gpupool_sdk.scheduler.peak_history import history_peak
 from gpupool_sdk.scheduler.types import JobView, SchedulerConfig
 
 #: tolerance on sums of compute shares (floats added and removed over many cycles).
@@ -163,10 +164,16 @@ class SliceRequest:
 
 
 def predicted_peak(view: JobView, quota: int, config: SchedulerConfig) -> int:
-    """Predicted per-slice peak of a shared job: its observed peak plus the margin, capped at its quota.
+    """Predicted per-slice peak of a shared job, capped at its quota.
 
-    Unknown peaks are predicted as the whole quota (no overcommit gain, no risk).
+    With at least ``peak_history_min`` window peaks in ``memory_peak_history``: their
+    ``peak_percentile`` plus ``peak_history_margin`` (:func:`~gpupool_sdk.scheduler.peak_history.history_peak`).
+    Else its latest observed peak plus ``peak_margin``. Unknown peaks are predicted as the whole
+    quota (no overcommit gain, no risk).
     """
+    hist = view.memory_peak_history
+    if config.peak_history_min and len(hist) >= config.peak_history_min:
+        return min(quota, history_peak(hist, config.peak_percentile, config.peak_history_margin))
     if view.memory_peak_bytes is None or view.memory_peak_bytes <= 0:
         return quota
     return min(quota, int(view.memory_peak_bytes * (1.0 + config.peak_margin)))

@@ -227,7 +227,7 @@ class Scheduler:
         #: per pending job, what depends only on its view and the GPU layout (a memo of pure functions,
         #: reused while the job's spec is the same object and its peak and count are unchanged):
         #: (spec, peak, count, request, reject or etcd-limit reason).
-        self._pend: dict[str, tuple[JobSpec, int | None, int, SliceRequest, str | None]] = {}
+        self._pend: dict[str, tuple[JobSpec, tuple[int | None, tuple[int, ...]], int, SliceRequest, str | None]] = {}
         self._pend_layout: GpuLayout | None = None
         #: per pending job without allocations, its sort key while the order does not move with time:
         #: (spec, attained, remaining, order, key).
@@ -306,7 +306,7 @@ class Scheduler:
         reject_cache: dict[tuple[object, ...], str | None] = {}
         live: list[tuple[JobView, SliceRequest]] = []
         old_pend = self._pend if self._pend_layout is layout else {}
-        new_pend: dict[str, tuple[JobSpec, int | None, int, SliceRequest, str | None]] = {}
+        new_pend: dict[str, tuple[JobSpec, tuple[int | None, tuple[int, ...]], int, SliceRequest, str | None]] = {}
         for view, count in pending:
             spec = view.spec
             if count is None:
@@ -316,7 +316,8 @@ class Scheduler:
                 self._queue(cyc, view, f"queued: {gang_wait}")
                 continue
             hit = old_pend.get(view.name)
-            if hit is not None and hit[0] is spec and hit[1] == view.memory_peak_bytes and hit[2] == count:
+            peaks = (view.memory_peak_bytes, view.memory_peak_history)
+            if hit is not None and hit[0] is spec and hit[1] == peaks and hit[2] == count:
                 req, why = hit[3], hit[4]
             else:
                 req = request_for(view, config, count)
@@ -325,7 +326,7 @@ class Scheduler:
                     reject_cache[key] = reject_reason(req, pool, config.overcommit_ratio)
                 why = reject_cache[key] or txn_limit_reason(spec, config.etcd_max_txn_ops)
             if not spec.is_gang:  # a gang's request depends on its members too
-                new_pend[view.name] = (spec, view.memory_peak_bytes, count, req, why)
+                new_pend[view.name] = (spec, peaks, count, req, why)
             if why is not None:
                 cyc.decisions.append(Reject(view.name, f"impossible: {why}"))
             else:

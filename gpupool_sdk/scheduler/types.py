@@ -27,6 +27,11 @@ class SchedulerConfig:
         overcommit_ratio: for ``shared`` slices only, the sum of granted memory on a GPU may reach
             this multiple of physical memory as long as predicted peaks fit (1.0 = no overcommit).
         peak_margin: safety margin added to a job's observed memory peak when predicting it (0.1 = +10 %).
+        peak_history_min: a shared job that published at least this many window peaks
+            (``memory_peak_history``) is predicted from them (:mod:`~gpupool_sdk.scheduler.peak_history`);
+            0 = always the single-peak rule (``memory_peak_bytes x (1 + peak_margin)``).
+        peak_percentile: the percentile (0-1) of the window peaks that predicts the peak (1.0 = the largest).
+        peak_history_margin: margin added to that percentile (0.02 = +2 %).
         min_runtime_s: default minimum run time after a grant before a job may be preempted
             (a spec's own ``min_runtime_s`` wins when larger).
         aging_s_per_priority: a pending job gains one effective priority point per this many seconds
@@ -82,6 +87,9 @@ class SchedulerConfig:
 
     overcommit_ratio: float = 1.0
     peak_margin: float = 0.1
+    peak_history_min: int = 8
+    peak_percentile: float = 1.0
+    peak_history_margin: float = 0.0
     min_runtime_s: float = 0.0
     aging_s_per_priority: float = 60.0
     max_wait_s: float = 3600.0
@@ -122,6 +130,14 @@ class SchedulerConfig:
             raise ConfigError("overcommit_ratio", f"must be >= 1.0 (1.0 = no overcommit), got {self.overcommit_ratio}")
         if not 0.0 <= self.peak_margin <= 10.0:
             raise ConfigError("peak_margin", f"must be in [0, 10], got {self.peak_margin}")
+        hmin = self.peak_history_min
+        if isinstance(hmin, bool) or not isinstance(hmin, int) or not 0 <= hmin <= 32:
+            raise ConfigError("peak_history_min", f"must be a whole number of windows 0-32 (0 = no history), got {hmin!r}")
+        if not 0.0 <= self.peak_percentile <= 1.0:  # NaN fails too
+            raise ConfigError("peak_percentile", f"must be a quantile in [0, 1] (1.0 = the largest peak), "
+                              f"got {self.peak_percentile}")
+        if not 0.0 <= self.peak_history_margin <= 10.0:  # NaN fails too
+            raise ConfigError("peak_history_margin", f"must be in [0, 10], got {self.peak_history_margin}")
         if not 0.0 <= self.balloon_floor_fraction <= 1.0:  # NaN fails too
             raise ConfigError(
                 "balloon_floor_fraction",
@@ -184,6 +200,8 @@ class JobView:
         directive: the directive outstanding for it, if any.
         ack: the last ack it wrote, if any.
         memory_peak_bytes: the recent per-slice memory peak it reported in telemetry (for overcommit).
+        memory_peak_history: the peaks of its recent telemetry windows, oldest first (for overcommit:
+            :func:`~gpupool_sdk.scheduler.filter.predicted_peak`).
         order: a tie breaker (submission order); lower goes first.
         remaining_s: the job's own estimate of the seconds of training it has left on the GPUs it
             holds (or asks for), from ``telemetry/{job}`` (``TelemetrySummary.remaining_s``); None
@@ -206,6 +224,7 @@ class JobView:
     order: int = 0
     remaining_s: float | None = None
     members: tuple[GangMember, ...] = ()
+    memory_peak_history: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
