@@ -89,9 +89,14 @@ class Lease:
 
     @property
     def visible_devices(self) -> str:
-        """Comma-separated GPU indices of this node's slices (for ``CUDA_VISIBLE_DEVICES``)."""
-        idx = sorted({a.gpu_index for a in self.allocations if a.node == self.node})
-        return ",".join(str(i) for i in idx)
+        """Comma-separated ``CUDA_VISIBLE_DEVICES`` entries of this node's slices.
+
+        GPU indices in order; a MIG instance by its ``MIG-`` UUID (CUDA addresses MIG instances
+        only by UUID). See :func:`gpupool_sdk.client.mps.visible_devices`.
+        """
+        from gpupool_sdk.client.mps import visible_devices
+
+        return ",".join(visible_devices(self.allocations, self.node))
 
     def device_indices(self) -> list[str]:
         """:attr:`visible_devices` as a list (``["0", "2"]``; empty when no local device is known)."""
