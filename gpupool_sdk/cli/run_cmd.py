@@ -52,7 +52,7 @@ from gpupool_sdk.runtime.env import (
     LEASED_ENV,
     RESUME_ENV,
     RUN_SOCKET_ENV,
-    derive_job_name,
+    job_slug,
 )
 from gpupool_sdk.store.records import JobResult
 from gpupool_sdk.store.security import EtcdSecurity
@@ -70,15 +70,15 @@ def job_name_of(command: tuple[str, ...] | list[str]) -> str | None:
     args = list(command)
     for i, arg in enumerate(args):
         if arg.endswith(".py"):
-            return derive_job_name(None, argv0=arg)
+            return job_slug(arg)
         if arg == "-m" and i + 1 < len(args):
-            return derive_job_name(None, argv0=args[i + 1].rsplit(".", 1)[-1])
+            return job_slug(args[i + 1].rsplit(".", 1)[-1])
         if arg == "-c":
             return None
     head = os.path.basename(args[0]) if args else ""
     if not head or _PYTHONS.match(head):
         return None
-    return derive_job_name(None, argv0=head)
+    return job_slug(head)
 
 
 def describe_exit(rc: int) -> str:
@@ -124,6 +124,9 @@ def _stop_child(proc: subprocess.Popen[Any], grace_s: float = 30.0, signum: int 
 @click.option("--memory", default=None, help="Memory per slice, e.g. 20GiB or 20Gi (required unless --qos exclusive).")
 @click.option("--qos", type=click.Choice(["shared", "guaranteed", "exclusive"]), default="shared", show_default=True)
 @click.option("--priority", type=int, default=0, show_default=True)
+@click.option("--nodes", type=int, default=1, show_default=True,
+              help="Multi-node gang: run one `gpupool run` per node (srun, torchrun's hosts); --gpus is the total. "
+                   "Node rank and count come from the launcher's environment (docs/multinode.md).")
 @click.option("--min-gpus", type=int, default=None, help="Elastic job: fewest slices it can train on (with --max-gpus).")
 @click.option("--max-gpus", type=int, default=None,
               help="Elastic job: most slices it can use; the pool grows and shrinks it at step boundaries, keeping "
@@ -155,6 +158,7 @@ def run(
     memory: str | None,
     qos: str,
     priority: int,
+    nodes: int,
     min_gpus: int | None,
     max_gpus: int | None,
     compute_share: float,
@@ -203,6 +207,8 @@ def run(
         extra["preempt_grace_s"] = preempt_grace_s
     if min_runtime_s is not None:
         extra["min_runtime_s"] = min_runtime_s
+    if nodes != 1:
+        extra["nodes"] = nodes
     if min_gpus is not None:
         extra["min_gpus"] = min_gpus
     if max_gpus is not None:
@@ -339,6 +345,11 @@ def run_job(
                 say("no re-grant after the resize" + (f" ({lease.lost_reason})" if lease.lost else "")
                     + "; queueing again")
                 lost = True
+            if rc not in (0, EX_TEMPFAIL) and server.preempt_acked.is_set() and not stop_signal:
+                # The script acked a preempt and checkpointed, then its launcher (torchrun, whose
+                # agent reports a worker's 75 as a failure) exited non-zero: a preemption all the same.
+                say(f"the command ended with {describe_exit(rc)} after the script acked a preemption")
+                rc = EX_TEMPFAIL
             if rc == EX_TEMPFAIL or (rc != 0 and lost):
                 why = "preempted" if rc == EX_TEMPFAIL else f"lease lost ({lease.lost_reason})"
                 if not lost and server.preempt_acked.is_set():

@@ -43,7 +43,17 @@ def derive_job_name(explicit: str | None = None, argv0: str | None = None) -> st
     env = os.environ.get(JOB_ENV)
     if env:
         return env
-    stem = Path(argv0 if argv0 is not None else (sys.argv[0] if sys.argv and sys.argv[0] else "job")).stem
+    return job_slug(argv0 if argv0 is not None else (sys.argv[0] if sys.argv and sys.argv[0] else "job"))
+
+
+def job_slug(path: str) -> str:
+    """A job name from a file name: its stem, lowercased, reduced to the allowed characters.
+
+    Example:
+        >>> job_slug("/src/Train BERT.py")
+        'train-bert'
+    """
+    stem = Path(path).stem
     name = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-._")[:63].strip("-._")
     return name or "job"
 

@@ -31,9 +31,14 @@ class LeaseMode(str, enum.Enum):
     FOLLOWER = "follower"
 
     @classmethod
-    def for_process(cls, rank: int) -> LeaseMode:
-        """The mode of a process of global rank ``rank`` in the current environment."""
-        if rank != 0:
+    def for_process(cls, rank: int, local_rank: int | None = None, gang: bool = False) -> LeaseMode:
+        """The mode of a process in the current environment.
+
+        In a single-node job the process of global rank 0 leases; in a multi-node gang
+        (``gang``) every node's local rank 0 does (it joins with its node's part).
+        """
+        leads = (local_rank == 0) if gang and local_rank is not None else rank == 0
+        if not leads:
             return cls.FOLLOWER
         return cls.ATTACHED if os.environ.get(RUN_SOCKET_ENV) else cls.DIRECT
 
@@ -101,6 +106,10 @@ def take_lease(mode: LeaseMode, spec: JobSpec, *, rank: int, client_factory: Cal
         AcquireTimeoutError: not granted within ``timeout``.
     """
     if mode is LeaseMode.FOLLOWER:
+        if spec.is_gang and os.environ.get(LEASED_ENV) != "1":
+            # A gang's other local ranks were started by the launcher, not by their node's rank 0:
+            # they follow its broadcast decisions and compute the resume point from the shared dir.
+            return Grant(mode, None, spec.name, [], spec.gpus_per_node, None, os.environ.get(LEASE_ID_ENV, ""))
         if os.environ.get(LEASED_ENV) != "1":
             raise ConfigError(
                 "RANK",

@@ -170,7 +170,11 @@ class PoolRuntime:
         self.job = derive_job_name(options.name)
         self.spec = options.job_spec(self.job)
         self.rank = process_rank()
-        self.mode = LeaseMode.for_process(self.rank)
+        from gpupool_sdk.client.launch import launch_info
+
+        #: Where the launcher put this process (torchrun, Slurm, Kubernetes variables).
+        self.launch = launch_info(os.environ)
+        self.mode = LeaseMode.for_process(self.rank, self.launch.local_rank, gang=self.spec.is_gang)
         self.book = CheckpointBook(options.checkpoint_path(), self.job, options.keep_checkpoints, options.resume_paths)
         self.timer = PhaseTimer()
         self.inbox = DirectiveInbox()
@@ -233,7 +237,10 @@ class PoolRuntime:
         self.devices_visible = grant.devices
         self.lease_generation += 1
         # Rank 0 chooses the resume point (the newest readable checkpoint); followers take its choice.
-        self.resume_from = self.book.resume_point(grant.resume_hint) if self.is_leader else grant.resume_hint
+        # (followers of a gang, started by the launcher rather than by rank 0, compute it too: the
+        # checkpoint directory is shared and the rule is the same).
+        self.resume_from = (self.book.resume_point(grant.resume_hint) if self.is_leader or grant.resume_hint is None
+                            else grant.resume_hint)
         if self.lease is not None:
             self.lease.add_lost_callback(self.inbox.mark_lost)
             threading.Thread(target=self._watch_directives, args=(self.lease,), name="gpupool-directives",
@@ -278,7 +285,7 @@ class PoolRuntime:
         if o.memory is not None:
             mine.append(("memory", "--memory", parse_size(o.memory), None, theirs.memory_bytes))
         for key, flag, own, default, leased in mine:
-            if own == default or own == leased:
+            if own in (default, leased):
                 continue
             raise ConfigError(
                 key,
@@ -463,7 +470,7 @@ class PoolRuntime:
         boundary, boundary_wall = time.monotonic(), time.time()
         by_signal = dec.directive_kind == "signal"
         self.preemptions += 1  # counted before the save so that the checkpoint carries it
-        path = self.book.write(step, "signal" if by_signal else "preempt", save, writer=self.is_leader)
+        path = self.book.write(step, "signal" if by_signal else "preempt", save, writer=self.rank == 0)
         saved = time.monotonic()
         self.timer.add(Phase.CHECKPOINT, saved - boundary, standalone=True)
         self.preempted = True
@@ -477,7 +484,8 @@ class PoolRuntime:
         if self.is_leader and self.lease is not None:
             acked = saved
             if not by_signal:
-                self.lease.ack(dec.directive(), step=step, checkpoint=path, ok=True,
+                # Every node of a gang acks (its node's ranks stopped); node rank 0 names the checkpoint.
+                self.lease.ack(dec.directive(), step=step, checkpoint=path if self.launch.node_rank == 0 else None, ok=True,
                                message="checkpointed; restarting on the resized grant" if keep_lease else "checkpointed")
                 acked = time.monotonic()
                 if not keep_lease and not self.lease.wait_released(timeout=self.options.release_timeout):
@@ -535,7 +543,7 @@ class PoolRuntime:
         path: str | None = None
         if save is not None:
             try:
-                path = self.book.write(step, "emergency", save, writer=self.is_leader)
+                path = self.book.write(step, "emergency", save, writer=self.rank == 0)
             except Exception as exc:  # noqa: BLE001 - the error we raise matters more
                 log.warning("emergency checkpoint failed: %s", exc)
         self.lost_error = PoolLeaseLostError(self.job, dec.reason or self.inbox.lost_reason, path)
@@ -547,7 +555,7 @@ class PoolRuntime:
         """Training finished normally: the job's checkpoints stop being resume points; release unless told not to."""
         if self.preempted or self.lost_error is not None:
             return
-        if not self.finished and self.is_leader:
+        if not self.finished and self.rank == 0:
             self.book.mark_finished(step)
         self.finished = True
         if release:

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from testkit import wait_for
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import Directive, DirectiveKind
 from gpupool_sdk.runtime.run_channel import ChannelLease, RunChannelServer
-from testkit import wait_for
 
 
 class FakeLease:
@@ -105,9 +105,12 @@ def test_script_arguments_that_contradict_the_launcher_are_an_error_naming_both(
 
     launched = JobSpec(name="chan", gpus=1, memory="30GiB", priority=0)
     srv = RunChannelServer(FakeLease(), str(tmp_path / "run.sock"), resume_from=None, spec=launched)
-    monkeypatch.setenv("GPUPOOL_RUN_SOCKET", srv.path)
-    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+    from gpupool_sdk.runtime import GRANT_ENV
+
+    # acquire() exports the grant into os.environ: registered here so that it is undone after the test.
+    for var in (*GRANT_ENV, "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GPUPOOL_RUN_SOCKET", srv.path)
     try:
         rt = PoolRuntime(RuntimeOptions(gpus=2, memory="30GiB", name="chan", checkpoint_dir=tmp_path))
         with pytest.raises(ConfigError, match=r"gpus=2.*--gpus.*leased 1") as exc:
