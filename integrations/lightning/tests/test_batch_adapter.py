@@ -190,3 +190,29 @@ def test_adapter_owns_accumulate_grad_batches(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="accumulate_grad_batches"):
         trainer.fit(Regressor())
     pool.close()
+
+
+def test_restart_under_a_smaller_quota_starts_at_the_smaller_micro_batch(tmp_path: Path) -> None:
+    # A resize is a checkpoint and restart: the restarted job has half the quota (the spec's memory).
+    base = uninterrupted(tmp_path)
+    lease = FakeLease("resized")
+    pool = GpuPoolCallback(memory="1GiB", name="resized", client=FakeClient(lease), checkpoint_dir=tmp_path / "ck")
+    first, adapter = Regressor(), BatchAdapter()
+    trainer = trainer_for(tmp_path / "a", [pool, adapter], epochs=1)
+    trainer.fit(first)
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    trainer.save_checkpoint(ckpt)
+    pool.close()
+    assert first.sizes == [8] * 8 and adapter.changes == []
+
+    lease2 = FakeLease("resized")
+    pool2 = GpuPoolCallback(memory="512MiB", name="resized", client=FakeClient(lease2),
+                            checkpoint_dir=tmp_path / "ck")
+    second, adapter2 = Regressor(), BatchAdapter()
+    trainer2 = trainer_for(tmp_path / "b", [pool2, adapter2], epochs=2)
+    trainer2.fit(second, ckpt_path=ckpt)
+    pool2.close()
+    assert trainer2.global_step == 16 and second.sizes == [4] * 16
+    assert adapter2.micro_batch_size == 4 and trainer2.accumulate_grad_batches == 2
+    assert [(c.global_step, c.micro_batch_size, c.limit_bytes) for c in adapter2.changes] == [(8, 4, GiB // 2)]
+    assert_same_weights(base, second)
