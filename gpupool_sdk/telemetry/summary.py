@@ -15,6 +15,7 @@ Value layout (JSON, with the codec's ``schema``/``kind`` envelope)::
       "phase_fraction": {"data": 0.15, "forward": 0.28, ...},      # sums to 1 (or all 0)
       "memory_peak_bytes": 12884901888,                              # max over slices, recent window
       "memory_peak_by_phase": {"forward": 9663676416, "backward": 12884901888},
+      "memory_peak_history": [12079595520, 12884901888],               # recent windows, oldest first
       "gpu_util": 0.62,                                              # 0-1, null without NVML
       "slices": [{"gpu_uuid": "GPU-...", "memory_used_bytes": 1.2e10, "util": 0.6,
                   "memory_peak_bytes": 12884901888}],
