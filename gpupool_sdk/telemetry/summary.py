@@ -2,8 +2,8 @@
 
 The training process (the Lightning callback or the plain-loop adapter, through the client)
 builds one :class:`TelemetrySummary` every few seconds from its phase timers and NVML sampler
-and writes it on the job's lease. The coordinator reads ``memory_peak_bytes`` (to predict peaks
-for overcommit and ballooning); ``gpupool top``, the Prometheus exporter and the advice rules
+and writes it on the job's lease. The coordinator reads ``memory_peak_history`` and
+``memory_peak_bytes`` (to predict peaks for overcommit and ballooning); ``gpupool top``, the Prometheus exporter and the advice rules
 read the rest.
 
 Value layout (JSON, with the codec's ``schema``/``kind`` envelope)::
