@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", default=None, help="memory per slice (under gpupool run: its --memory)")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes of a multi-node run (torchrun --nnodes)")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--crash-at", type=int, default=0, help="raise once at this global step (restart tests)")
     p.add_argument("--crash-marker", default=None)
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = pl.Trainer(
         accelerator=pool.accelerator,
         devices=pool.devices,
+        num_nodes=args.num_nodes,
+        strategy="ddp" if args.num_nodes > 1 else "auto",
         max_epochs=args.epochs,
         callbacks=[
             pool,

@@ -127,6 +127,8 @@ def _stop_child(proc: subprocess.Popen[Any], grace_s: float = 30.0, signum: int 
 @click.option("--nodes", type=int, default=1, show_default=True,
               help="Multi-node gang: run one `gpupool run` per node (srun, torchrun's hosts); --gpus is the total. "
                    "Node rank and count come from the launcher's environment (docs/multinode.md).")
+@click.option("--node-rank", type=int, default=None,
+              help="This node's rank in a --nodes gang (default from SLURM_NODEID / GROUP_RANK / PET_NODE_RANK / NODE_RANK).")
 @click.option("--min-gpus", type=int, default=None, help="Elastic job: fewest slices it can train on (with --max-gpus).")
 @click.option("--max-gpus", type=int, default=None,
               help="Elastic job: most slices it can use; the pool grows and shrinks it at step boundaries, keeping "
@@ -159,6 +161,7 @@ def run(
     qos: str,
     priority: int,
     nodes: int,
+    node_rank: int | None,
     min_gpus: int | None,
     max_gpus: int | None,
     compute_share: float,
@@ -226,7 +229,7 @@ def run(
     )
     sys.exit(run_job(spec, list(command), endpoints=endpoints, prefix=prefix, checkpoint_dir=checkpoint_dir,
                      acquire_timeout=acquire_timeout, max_restarts=max_restarts, max_preemptions=max_preemptions,
-                     grace_s=grace_s, security=security, retention_s=retention_s))
+                     grace_s=grace_s, security=security, retention_s=retention_s, node_rank=node_rank))
 
 
 #: Signals the launcher forwards to the script's process group as "checkpoint and stop".
@@ -247,6 +250,7 @@ def run_job(
     security: EtcdSecurity | None = None,
     backoff_s: float = 1.0,
     retention_s: float = 86400.0,
+    node_rank: int | None = None,
 ) -> int:
     """The loop behind ``gpupool run``: acquire, run, re-queue on exit 75 or lease loss, restart crashes.
 
@@ -287,9 +291,12 @@ def run_job(
             began = time.monotonic()
             if lease is None:
                 say(f"queueing {spec.name}: {spec.describe()}")
-                lease = client.acquire(
-                    spec, timeout=acquire_timeout, on_status=lambda st: say(f"{st.state.value}: {st.reason}")
-                )
+                on_status = lambda st: say(f"{st.state.value}: {st.reason}")  # noqa: E731
+                if spec.is_gang:
+                    lease = client.join(spec, node_rank=_node_rank(node_rank), nnodes=spec.nodes,
+                                        timeout=acquire_timeout, on_status=on_status)
+                else:
+                    lease = client.acquire(spec, timeout=acquire_timeout, on_status=on_status)
             ck = client.resume_info(spec.name)
             resume = ck.path if ck is not None and ck.path and Path(ck.path).exists() else None
             devices = lease.device_indices()
@@ -400,6 +407,18 @@ def run_job(
             os.rmdir(sockdir)
         except OSError:
             pass
+
+
+def _node_rank(flag: int | None) -> int:
+    """``--node-rank``, else the launcher's environment (Slurm, torchrun, Kubeflow, ``NODE_RANK``)."""
+    if flag is not None:
+        return flag
+    for var in ("SLURM_NODEID", "GROUP_RANK", "PET_NODE_RANK", "NODE_RANK"):
+        v = os.environ.get(var, "").strip()
+        if v.isdigit():
+            return int(v)
+    raise ConfigError("--node-rank", "a --nodes gang needs this node's rank: pass --node-rank N, or run under "
+                      "srun (SLURM_NODEID) or a launcher that sets NODE_RANK")
 
 
 def _regranted_since(acked_at: float) -> Any:

@@ -37,10 +37,11 @@ class LeaseMode(str, enum.Enum):
         In a single-node job the process of global rank 0 leases; in a multi-node gang
         (``gang``) every node's local rank 0 does (it joins with its node's part).
         """
+        if os.environ.get(RUN_SOCKET_ENV):
+            # Under `gpupool run` the node's launcher holds the node's lease: its local rank 0 attaches.
+            return cls.ATTACHED if (local_rank if local_rank is not None else rank) == 0 else cls.FOLLOWER
         leads = (local_rank == 0) if gang and local_rank is not None else rank == 0
-        if not leads:
-            return cls.FOLLOWER
-        return cls.ATTACHED if os.environ.get(RUN_SOCKET_ENV) else cls.DIRECT
+        return cls.DIRECT if leads else cls.FOLLOWER
 
 
 @runtime_checkable

@@ -175,6 +175,14 @@ class PoolRuntime:
         #: Where the launcher put this process (torchrun, Slurm, Kubernetes variables).
         self.launch = launch_info(os.environ)
         self.mode = LeaseMode.for_process(self.rank, self.launch.local_rank, gang=self.spec.is_gang)
+        if self.mode is LeaseMode.DIRECT and self.launch.nnodes != self.spec.nodes:
+            from gpupool_sdk.errors import ConfigError
+
+            raise ConfigError(
+                "nodes",
+                f"the launcher ({self.launch.launcher}) started this job on {self.launch.nnodes} node(s) but the "
+                f"spec asks for nodes={self.spec.nodes}; pass nodes={self.launch.nnodes} (gpus is the total)",
+            )
         self.book = CheckpointBook(options.checkpoint_path(), self.job, options.keep_checkpoints, options.resume_paths)
         self.timer = PhaseTimer()
         self.inbox = DirectiveInbox()
