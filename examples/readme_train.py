@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         deterministic=True,
     )
     trainer.fit(model, ckpt_path=pool.resume_from)
-    torch.save({"global_step": trainer.global_step, "state_dict": model.state_dict()}, args.out)
-    print(f"SAVED step={trainer.global_step}", flush=True)
+    if trainer.is_global_zero:
+        torch.save({"global_step": trainer.global_step, "state_dict": model.state_dict()}, args.out)
+        print(f"SAVED step={trainer.global_step}", flush=True)
     return 0
 
 
