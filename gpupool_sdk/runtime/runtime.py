@@ -362,7 +362,7 @@ class PoolRuntime:
             return
         self._training = True
         try:
-            self._balloon_controller()
+            self.balloon_controller()
         except Exception as exc:  # noqa: BLE001 - a balloon directive retries and acks the error
             log.warning("gpupool: no memory balloon for %s yet (%s); a balloon directive will be refused", self.job, exc)
         if self.lease is None:
@@ -385,7 +385,8 @@ class PoolRuntime:
             if self._balloon is not None and hasattr(self._balloon, "add_optimizer"):
                 self._balloon.add_optimizer(optimizer)
 
-    def _balloon_controller(self) -> Any:
+    def balloon_controller(self) -> Any:
+        """The memory tier's balloon controller (built on first use), or None when ballooning is off."""
         if self._balloon is None and self.options.allocator != "none" and self._memory_tier is not None:
             kind = self.options.allocator
             if kind == "torch" and self.accelerator != "gpu":
@@ -518,7 +519,7 @@ class PoolRuntime:
         self.inbox.handled(dec.seq)
         ok, message, reached = True, "", None
         try:
-            ctl = self._balloon_controller()
+            ctl = self.balloon_controller()
             if ctl is None:
                 ok, message = False, ("ballooning disabled (allocator='none')" if self.options.allocator == "none"
                                       else "no memory tier: this adapter does not balloon")

@@ -147,7 +147,7 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         Built on first use; :class:`~gpupool_lightning.BatchAdapter` subscribes to its limit changes.
         """
         try:
-            return self.runtime._balloon_controller()
+            return self.runtime.balloon_controller()
         except Exception as exc:  # noqa: BLE001 - a balloon directive reports the error in its ack
             log.debug("gpupool: no balloon controller: %s", exc)
             return None
