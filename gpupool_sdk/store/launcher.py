@@ -469,6 +469,9 @@ class EtcdCluster:
             ``base_port + 2i + 1`` (peer). None: free ports.
         max_txn_ops: etcd's ``--max-txn-ops`` (see :class:`EtcdServer`).
         extra_args: more etcd flags for every member.
+        die_with_parent: as for :class:`EtcdServer`. Pass False from a process that already uses
+            gRPC: ``die_with_parent`` runs Python code between fork and exec, and a fork of a
+            process with live gRPC threads may abort there (etcd then "exits with code -6").
 
     Raises:
         ConfigError: ``members`` is not an odd number from 1 to 7.
@@ -488,6 +491,7 @@ class EtcdCluster:
         max_txn_ops: int | None = LAUNCHER_MAX_TXN_OPS,
         extra_args: Sequence[str] = (),
         name: str = "gpupool",
+        die_with_parent: bool = True,
     ) -> None:
         if isinstance(members, bool) or not isinstance(members, int) or not 1 <= members <= 7 or members % 2 == 0:
             raise ConfigError("members", f"must be an odd number from 1 to 7 (a raft group needs a majority), got {members!r}")
@@ -512,7 +516,7 @@ class EtcdCluster:
         self.members = [
             EtcdServer(
                 data_dir=self.data_root / n, client_port=c, peer_port=pp, name=n, host=host, extra_args=extra_args,
-                max_txn_ops=max_txn_ops, initial_cluster=initial, cluster_token=token,
+                max_txn_ops=max_txn_ops, initial_cluster=initial, cluster_token=token, die_with_parent=die_with_parent,
             )
             for n, (c, pp) in zip(names, ports, strict=True)
         ]

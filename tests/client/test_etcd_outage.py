@@ -159,7 +159,7 @@ def test_another_live_holder_still_blocks_the_name(pool: Pool) -> None:
 
 
 def test_acquire_rides_out_the_election_after_the_raft_leader_is_killed(tmp_path: Path) -> None:
-    cluster = EtcdCluster(3, data_root=tmp_path / "cluster")
+    cluster = EtcdCluster(3, data_root=tmp_path / "cluster", die_with_parent=False)  # restarted from a gRPC process
     cluster.start(timeout=90)
     try:
         for p in _run_pool(cluster.endpoints):

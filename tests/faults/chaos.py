@@ -255,7 +255,8 @@ class FaultRun:
             self.etcd = EtcdServer(data_dir=self.dir / "etcd", die_with_parent=False)
             self.etcd.start(timeout=90)
         else:
-            self.cluster = EtcdCluster(self.cfg.etcd_members, data_root=self.dir / "etcd-cluster")
+            # No fork-time hook: this process runs gRPC, and members are restarted from it.
+            self.cluster = EtcdCluster(self.cfg.etcd_members, data_root=self.dir / "etcd-cluster", die_with_parent=False)
             self.cluster.start(timeout=90)
 
     def _start_pool(self) -> None:
