@@ -177,6 +177,12 @@ def map_grpc_error(exc: grpc.RpcError, op: str, endpoint: str, security: EtcdSec
     sec = security or EtcdSecurity()
     if any(m in low for m in _TLS_MARKERS):
         return StoreTLSError(f"TLS with etcd at {endpoint} failed during {op}: {_tls_hint(low, sec)} (gRPC: {details})")
+    if code == grpc.StatusCode.CANCELLED and "channel closed" in low:
+        # Another thread failed over to the next endpoint and closed this channel under the call.
+        return StoreUnavailableError(
+            f"etcd call {op} on {endpoint} was cut off: its channel was closed by a fail-over to another "
+            f"endpoint ({details}); retry"
+        )
     if code in _UNAVAILABLE or (code is None and "connect" in low):
         name = code.name if code is not None else "UNAVAILABLE"
         hint = ""
