@@ -23,7 +23,6 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("gpupool_sdk.cli.ops_cmd", "undrain"),
     ("gpupool_sdk.cli.top_cmd", "top"),
     ("gpupool_sdk.cli.run_cmd", "run"),
-    ("gpupool_lightning.demo.cli", "demo"),
     ("gpupool_sdk.cli.simulate_cmd", "simulate"),
     ("gpupool_sdk.cli.metrics_cmd", "metrics"),
     ("gpupool_sdk.cli.job_cmd", "job"),
