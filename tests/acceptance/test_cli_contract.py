@@ -123,7 +123,7 @@ def test_reporting_commands_refuse_bad_flags_with_exit_2() -> None:
         (["status", "-w", "nan", *dead], EXIT_USAGE, ["--watch", "finite"]),
         (["top", "-w", "inf", *dead], EXIT_USAGE, ["--watch", "finite"]),
         (["metrics", "report", "-w", "-1", *dead], EXIT_USAGE, ["--watch"]),
-        (["top", "-o", "yaml", *dead], EXIT_USAGE, ["--output", "table", "json"]),
+        (["top", "-o", "xml", *dead], EXIT_USAGE, ["--output", "table", "wide", "json", "yaml"]),
         (["top", "--timeout", "nan", *dead], EXIT_USAGE, ["timeout"]),
         (["status", "--prefix", "no-slash", *dead], EXIT_USAGE, ["prefix", "/gpupool/v1"]),
         (["status", "--endpoints", "not an endpoint"], EXIT_USAGE, ["endpoints", "host:port", "GPUPOOL_ENDPOINTS"]),
