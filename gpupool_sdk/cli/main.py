@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import click
 
@@ -55,13 +56,41 @@ PLUGIN_GROUP = "gpupool.commands"
 _PLUGIN_HINTS = {"demo": "pip install gpupool-lightning  (from this repository: pip install -e integrations/lightning)"}
 
 
+class _PluginCommand(click.Command):
+    """A command of another distribution, imported only when it runs.
+
+    Loading ``gpupool demo`` imports Lightning and torch (seconds); every other command, ``--help``
+    included, must not pay for that.
+    """
+
+    def __init__(self, ep: Any) -> None:
+        dist = getattr(getattr(ep, "dist", None), "name", None) or ep.value.split(".", 1)[0]
+        super().__init__(ep.name, help=f"(from {dist}; `gpupool {ep.name} --help` for details)",
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                         add_help_option=False)
+        self._ep = ep
+        self._real: click.Command | None = None
+
+    def real(self) -> click.Command:
+        if self._real is None:
+            self._real = self._ep.load()
+        return self._real
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        return self.real().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        return ctx.command.invoke(ctx)
+
+
 def _load_plugins() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=PLUGIN_GROUP):
         if ep.name in cli.commands:
             continue
-        cli.add_command(ep.load(), ep.name)
+        cli.add_command(_PluginCommand(ep), ep.name)
     for name, install in _PLUGIN_HINTS.items():
         if name not in cli.commands:
             cli.add_command(_missing_plugin(name, install))
