@@ -60,23 +60,28 @@ def test_control_plane_runs_in_the_core_venv(core_venv: Path, etcd_endpoint: str
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     env.update({"GPUPOOL_ENDPOINTS": etcd_endpoint, "GPUPOOL_PREFIX": keys.prefix,
                 "PATH": f"{core_venv / 'bin'}:{env.get('PATH', '')}"})
+    logs = [open(tmp_path / "agent.log", "wb"), open(tmp_path / "coordinator.log", "wb")]  # noqa: SIM115
     procs = [
         subprocess.Popen([gp, "agent", "--node", "core-a", "--simulate", "2xA100-40GB", "--ttl", "3"], env=env,
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True),
+                         cwd=tmp_path, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True),
         subprocess.Popen([gp, "coordinator", "--ttl", "3", "--loop-wait", "0.2"], env=env, cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True),
+                         stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True),
     ]
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         status: dict = {}
-        while time.monotonic() < deadline:
+        last = ""
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
             r = subprocess.run([gp, "status", "-o", "json"], env=env, capture_output=True, text=True, timeout=60)
+            last = r.stderr
             if r.returncode == 0:
                 status = json.loads(r.stdout)
-                if status.get("leader") and status.get("gpus"):
+                if status.get("leader") and len(status.get("gpus", [])) == 2:
                     break
             time.sleep(0.5)
-        assert status.get("leader") and len(status.get("gpus", [])) == 2, status
+        if not (status.get("leader") and len(status.get("gpus", [])) == 2):
+            outs = [(tmp_path / n).read_text(errors="replace")[-3000:] for n in ("agent.log", "coordinator.log")]
+            raise AssertionError(f"status={status} stderr={last}\nagent:\n{outs[0]}\ncoordinator:\n{outs[1]}")
         # Nothing of torch was imported by any of them.
         probe = ("import sys, gpupool_sdk.coordinator, gpupool_sdk.agent, gpupool_sdk.sim, gpupool_sdk.cli.main, "
                  "gpupool_sdk.runtime; assert 'torch' not in sys.modules and 'lightning' not in sys.modules")
@@ -90,6 +95,8 @@ def test_control_plane_runs_in_the_core_venv(core_venv: Path, etcd_endpoint: str
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for f in logs:
+            f.close()
     if TRACE.exists():
         r = subprocess.run([gp, "simulate", "--trace", str(TRACE), "--cluster", "2*8xV100-32GB", "--policy", "fifo",
                             "-o", "json"], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)

@@ -417,3 +417,48 @@ def test_a_directive_during_validation_is_honoured_within_one_batch_of_it(tmp_pa
     assert len(lease.acks) == 1 and lease.acks[0]["step"] == 8  # end of epoch 0, inside its validation
     assert seen[-1] == 2  # stopped after the batch in which it arrived
     assert Path(lease.acks[0]["checkpoint"]).exists()
+
+
+@pytest.mark.parametrize("loader", ["stateful", "resumable"])
+def test_a_shuffled_loader_resumed_mid_epoch_gives_bit_identical_weights(loader: str, tmp_path: Path) -> None:
+    """Issue 11, finding 8: preempted mid-epoch (exit 75) and resumed, a shuffling loader replays exactly.
+
+    torchdata's ``StatefulDataLoader`` (a drop-in ``DataLoader`` whose state Lightning stores in its
+    checkpoints) and the SDK's ``ResumableDataLoader``; both with ``shuffle=True``.
+    """
+    from torch.utils.data import TensorDataset
+
+    from gpupool_lightning import ResumableDataLoader
+
+    if loader == "stateful":
+        stateful = pytest.importorskip("torchdata.stateful_dataloader")
+        make = stateful.StatefulDataLoader
+    else:
+        make = ResumableDataLoader
+
+    class Shuffled(TinyRegressor):
+        def train_dataloader(self) -> Any:
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(96, 16, generator=g)
+            y = x[:, :1] * 2.0 - x[:, 1:2]
+            return make(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
+
+    def run(pool: GpuPoolCallback, ckpt: str | None = None) -> tuple[Any, Any]:
+        torch.manual_seed(7)
+        model = Shuffled(seed=7, samples=96, batch_size=8, num_workers=0, step_sleep=0.0)
+        trainer = make_trainer(pool, tmp_path, epochs=2)
+        trainer.fit(model, ckpt_path=ckpt)
+        return trainer, model
+
+    _, base = run(GpuPoolCallback(memory="1GiB", name=f"b-{loader}", client=FakeClient(FakeLease("b")),
+                                  checkpoint_dir=tmp_path / "b"))
+    lease = FakeLease("s", directive_at_step=17)  # mid epoch 1 (12 steps per epoch)
+    pool = GpuPoolCallback(memory="1GiB", name=f"s-{loader}", client=FakeClient(lease), checkpoint_dir=tmp_path / "s")
+    with pytest.raises(SystemExit):
+        run(pool)
+    again = GpuPoolCallback(memory="1GiB", name=f"s-{loader}", client=FakeClient(FakeLease("s")),
+                            checkpoint_dir=tmp_path / "s")
+    trainer, resumed = run(again, again.resume_from)
+    assert trainer.global_step == 24
+    for a, b in zip(base.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
