@@ -69,6 +69,9 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
               help="Serve Prometheus metrics (pool and scheduler) on this port.")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True, envvar="GPUPOOL_METRICS_ADDR", show_envvar=True,
               help="Address the metrics port binds (127.0.0.1: this machine only).")
+@click.option("--orphan-grace", "orphan_grace_s", type=float, default=None,
+              help="Seconds before the leader deletes an orphaned allocation (its job's lease or spec gone); "
+                   "counted as used until then. Default 2 x --ttl.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def coordinator(
     endpoints: str | None,
@@ -88,6 +91,7 @@ def coordinator(
     etcd_max_txn_ops: int | None,
     metrics_port: int | None,
     metrics_addr: str,
+    orphan_grace_s: float | None,
     log_level: str,
 ) -> None:
     """Run a coordinator replica: leader election, scheduling, fenced grants and preemptions."""
@@ -138,9 +142,11 @@ def coordinator(
         coord = Coordinator(
             store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait, prices=prices,
             on_cycle=coord_metrics.observe_cycle if coord_metrics is not None else None,
+            orphan_grace_s=orphan_grace_s,
         )
     except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="--loop-wait") from None
+        hint = "--orphan-grace" if exc.field == "orphan_grace_s" else "--loop-wait"
+        raise click.BadParameter(str(exc), param_hint=hint) from None
     try:
         # Fail fast (exit 3, naming the endpoint) on a wrong --endpoints, as `gpupool agent` does;
         # once running, the replica rides out etcd outages.
