@@ -303,7 +303,7 @@ def run_job(
             say(
                 f"granted after {time.monotonic() - began:.1f}s: devices {','.join(devices) or '-'}, lease "
                 f"{lease.etcd_lease_hex} (etcdctl lease timetolive {lease.etcd_lease_hex} --keys)"
-                + (f", pool checkpoint {resume}" if resume else "")
+                + (f", resuming from {resume}" if resume else "")
             )
             sock = os.path.join(sockdir, f"run-{preemptions + crashes + resizes}.sock")
             server = RunChannelServer(lease, sock, resume, spec=spec)

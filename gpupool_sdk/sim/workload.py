@@ -72,7 +72,8 @@ def load_profiles(path: str | os.PathLike[str] | None = None) -> list[Profile]:
     """
     p = _traces_file(path, "lucid_single_jobs.csv")
     if not p.is_file():
-        raise TraceError("profiles", f"no file {str(p)!r}; pass Lucid's lucid_single_jobs.csv")
+        raise TraceError("profiles", f"no file {str(p)!r}; pass Lucid's lucid_single_jobs.csv, or set "
+                         "$GPUPOOL_TRACES_DIR to the folder that holds the traces")
     out: list[Profile] = []
     with p.open(newline="") as fh:
         for lineno, row in enumerate(csv.DictReader(fh), start=2):

@@ -20,7 +20,7 @@ import pytest
 
 from gpupool_sdk.store.keyspace import Keyspace
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "tiresias_60job.csv"
@@ -59,6 +59,7 @@ def test_control_plane_runs_in_the_core_venv(core_venv: Path, etcd_endpoint: str
     keys = Keyspace(f"/gpupool-test/core-{os.getpid()}-{time.monotonic_ns()}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     env.update({"GPUPOOL_ENDPOINTS": etcd_endpoint, "GPUPOOL_PREFIX": keys.prefix,
+                "GPUPOOL_TRACES_DIR": str(TRACE.parent),
                 "PATH": f"{core_venv / 'bin'}:{env.get('PATH', '')}"})
     logs = [open(tmp_path / "agent.log", "wb"), open(tmp_path / "coordinator.log", "wb")]  # noqa: SIM115
     procs = [

@@ -18,7 +18,7 @@ from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.store.records import TelemetryRecord
 from integrations.lightning.tests.conftest import ROOT, LivePool, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCRIPT = str(ROOT / "examples" / "readme_train.py")
 LONG = 900.0
