@@ -493,8 +493,8 @@ class PoolRuntime:
         if self.is_leader and self.lease is not None:
             acked = saved
             if not by_signal:
-                # Every node of a gang acks (its node's ranks stopped); node rank 0 names the checkpoint.
-                self.lease.ack(dec.directive(), step=step, checkpoint=path if self.launch.node_rank == 0 else None, ok=True,
+                # Every node of a gang acks (its node's ranks stopped), naming the shared checkpoint.
+                self.lease.ack(dec.directive(), step=step, checkpoint=path, ok=True,
                                message="checkpointed; restarting on the resized grant" if keep_lease else "checkpointed")
                 acked = time.monotonic()
                 if not keep_lease and not self.lease.wait_released(timeout=self.options.release_timeout):

@@ -38,7 +38,7 @@ def gang(pool: LivePool, name: str, out: Path, sleep: str) -> list[Any]:
                     "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                     "--rdzv-id", f"{name}-{port}", "--max-restarts", "0"]
         run = ["run", "--name", name, "--gpus", "2", "--nodes", "2", "--node-rank", str(rank), "--memory", "30GiB",
-               "--", *torchrun, SCRIPT, "--epochs", "2", "--num-nodes", "2", "--step-sleep", sleep, "--out", str(out)]
+               "--", *torchrun, SCRIPT, "--epochs", "3", "--num-nodes", "2", "--step-sleep", sleep, "--out", str(out)]
         procs.append(pool.spawn(f"{name}-{node}", [sys.executable, "-m", "gpupool_sdk.cli.main", *run],
                                 env={"GPUPOOL_NODE": node}))
     return procs
@@ -51,7 +51,7 @@ def test_two_node_gang_is_preempted_together_requeued_and_matches_an_uninterrupt
     base = gang(live_pool, "base", tmp_path / "base.pt", "0.0")
     for p, node in zip(base, ("node-a", "node-b"), strict=True):
         assert live_pool.wait_exit(p, f"base-{node}", LONG) == 0, live_pool.log(f"base-{node}")
-    procs = gang(live_pool, "ddp", tmp_path / "ddp.pt", "0.05")
+    procs = gang(live_pool, "ddp", tmp_path / "ddp.pt", "0.3")
 
     def step() -> int:
         got = live_pool.store.get_record(live_pool.keys.telemetry("ddp"), TelemetryRecord)
