@@ -210,10 +210,26 @@ def simulate(
         untagged_qos=untagged_qos, class_priority=class_prio, preempt_grace_s=max(60.0, 2 * checkpoint_s),
         elastic=elastic_bounds,
     )
-    report = run_simulation(
-        trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed,
-        max_pending_in_snapshot=max_pending, gandiva=gandiva, estimates=estimates,
-    )
+    # On a terminal a status line says which policy runs (a congested run takes minutes per policy);
+    # piped or with -o json nothing extra is printed.
+    from contextlib import ExitStack
+
+    from gpupool_sdk.cli.output import is_terminal
+
+    with ExitStack() as stack:
+        on_policy = None
+        if output != "json" and is_terminal():
+            from rich.console import Console as _Console
+
+            status = stack.enter_context(_Console(stderr=True).status("simulating"))
+
+            def on_policy(name: str, i: int, n: int) -> None:
+                status.update(f"simulating {name} ({i + 1}/{n}) on {len(trace)} jobs")
+
+        report = run_simulation(
+            trace, cluster, list(policies), sim_config=sim_config, pool_config=pool_config, mapping=mapping, seed=seed,
+            max_pending_in_snapshot=max_pending, gandiva=gandiva, estimates=estimates, on_policy=on_policy,
+        )
     if plot_path:
         write_plot(report, plot_path)
     if output == "json":

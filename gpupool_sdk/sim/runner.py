@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,7 @@ def run_simulation(
     max_pending_in_snapshot: int | None = None,
     gandiva: GandivaSettings | None = None,
     estimates: EstimateModel | None = None,
+    on_policy: Callable[[str, int, int], None] | None = None,
 ) -> SimReport:
     """Simulate ``trace`` on ``cluster`` once per policy (same jobs, same workload draws).
 
@@ -127,6 +128,7 @@ def run_simulation(
         max_pending_in_snapshot: ``gpupool`` speed knob (see :class:`~gpupool_sdk.sim.pool_policy.PoolPolicy`).
         gandiva: the ``gandiva`` policy's knobs (default :class:`GandivaSettings`).
         estimates: how ``gpupool``'s jobs report their remaining time (default :class:`EstimateModel`).
+        on_policy: called with ``(policy, index, count)`` before each policy runs (progress display).
 
     Example:
         >>> report = run_simulation(load_trace("tiresias_60job.csv"), "2*8xV100-32GB", ["fifo", "gpupool"])  # doctest: +SKIP
@@ -142,9 +144,11 @@ def run_simulation(
     base = sim_config or SimConfig()
     cfg = SimConfig(**{**base.__dict__, "seed": seed})
     report = SimReport(trace=trace.path, cluster=cluster, jobs=len(trace), trace_stats=trace.stats.to_dict())
-    for name in policies:
+    for i, name in enumerate(policies):
         if name in report.results:
             continue
+        if on_policy is not None:
+            on_policy(name, i, len(policies))
         policy = make_policy(
             name, pool_config, mapping, max_pending_in_snapshot=max_pending_in_snapshot, gandiva=gandiva,
             estimates=estimates,
