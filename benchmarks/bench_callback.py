@@ -394,7 +394,7 @@ def bench_preempt(ep: str, prefix: str, trials: int = 3, step_s: float = 0.05) -
     for i in range(trials):
         root = tempfile.mkdtemp(prefix="bench-pre-")
         pool = GpuPoolCallback(memory="30GiB", name=f"bench-low-{i}", endpoints=ep, prefix=prefix, checkpoint_dir=root,
-                               allocator="none", acquire_timeout=60)
+                               allocator="none", acquire_timeout=60, exit_on_preempt=False)
         client = PoolClient(endpoints=ep, prefix=prefix)
         holder: dict[str, Any] = {}
 
