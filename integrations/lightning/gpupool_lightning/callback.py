@@ -224,6 +224,14 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         now: float | None = self._timer.finish_step(_OPTIMIZER)
         if self._probe.armed:
             self._probe.step_end()
+        if self._broadcast is None and not rt.inbox.attention:
+            # The per-step fast path (one process, nothing arrived): only a summary may be due.
+            # No closure, no property chain, no allocation.
+            if now is not None and now >= rt.publisher.next_due and rt.lease is not None:
+                rt.publisher.maybe_publish(rt.lease, int(trainer.global_step), now)
+                now = None
+            self._timer.begin(_DATA, now)
+            return
         check = True
         every = self.options.check_every_n_steps
         if every != 1:
