@@ -179,6 +179,9 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
 
     def _collect_loaders(self, trainer: Any) -> None:
         self._resumable = [dl for dl in _loaders(trainer.train_dataloader) if isinstance(dl, ResumableDataLoader)]
+        # The loader keeps its own position (torchdata); it only needs the epoch, once per epoch.
+        for dl in self._resumable:
+            dl.mark_consumed(0, trainer.current_epoch)
         self.runtime.timer.discard_open()
         self.runtime.timer.start(Phase.DATA)
 
@@ -194,10 +197,6 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         rt = self.runtime
         if rt.inbox.lost and self._broadcast is None:
             self._fence(trainer, Decision(kind=DecisionKind.LOST, reason=rt.inbox.lost_reason))
-        if self._resumable:
-            consumed, epoch = batch_idx + 1, trainer.current_epoch
-            for dl in self._resumable:
-                dl.mark_consumed(consumed, epoch)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         self._timer.switch(_FORWARD, _BACKWARD)
