@@ -41,7 +41,7 @@ from typing import Any
 import click
 
 from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option
-from gpupool_sdk.errors import ConfigError
+from gpupool_sdk.errors import ConfigError, LeaseLostError
 from gpupool_sdk.resources import JobSpec, JobState
 from gpupool_sdk.runtime.env import (
     CKPT_DIR_ENV,
@@ -293,8 +293,7 @@ def run_job(
                 say(f"queueing {spec.name}: {spec.describe()}")
                 on_status = lambda st: say(f"{st.state.value}: {st.reason}")  # noqa: E731
                 if spec.is_gang:
-                    lease = client.join(spec, node_rank=_node_rank(node_rank), nnodes=spec.nodes,
-                                        timeout=acquire_timeout, on_status=on_status)
+                    lease = _join_gang(client, spec, _node_rank(node_rank), acquire_timeout, on_status, say)
                 else:
                     lease = client.acquire(spec, timeout=acquire_timeout, on_status=on_status)
             ck = client.resume_info(spec.name)
@@ -407,6 +406,22 @@ def run_job(
             os.rmdir(sockdir)
         except OSError:
             pass
+
+
+def _join_gang(client: Any, spec: JobSpec, node_rank: int, timeout: float | None, on_status: Any,
+               say: Any) -> Any:
+    """Join the gang; a gang that breaks while this node waits (another node still leaving its last
+    run, node rank 0 re-joining) is joined again, within ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(1.0, deadline - time.monotonic())
+        try:
+            return client.join(spec, node_rank=node_rank, nnodes=spec.nodes, timeout=left, on_status=on_status)
+        except LeaseLostError as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            say(f"the gang broke while this node waited ({exc}); joining again")
+            time.sleep(1.0)
 
 
 def _node_rank(flag: int | None) -> int:
