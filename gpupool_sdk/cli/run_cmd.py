@@ -271,13 +271,16 @@ def run_job(
     previous: dict[signal.Signals, Any] = {}
 
     def on_signal(signum: int, frame: Any) -> None:
-        # Forwarded to the script's group; the loop below waits for it to checkpoint.
+        # Forwarded to the script's group; the loop below waits for it to checkpoint. With no
+        # script running (queued, or between runs) there is nothing to save: stop waiting now.
         first = not stop_signal
         stop_signal.append(signum)
         if proc is not None and proc.poll() is None:
             _signal_group(proc, signum)
-        if first:
-            say(f"{signal.Signals(signum).name}: asking the script to checkpoint (grace {grace_s:.0f}s)")
+            if first:
+                say(f"{signal.Signals(signum).name}: asking the script to checkpoint (grace {grace_s:.0f}s)")
+            return
+        raise _StopWaiting(signum)
 
     is_main = threading.current_thread() is threading.main_thread()
     if is_main:
@@ -289,13 +292,7 @@ def run_job(
                 say("stopped by a signal before the script ran; nothing to checkpoint")
                 return EX_TEMPFAIL
             began = time.monotonic()
-            if lease is None:
-                say(f"queueing {spec.name}: {spec.describe()}")
-                on_status = lambda st: say(f"{st.state.value}: {st.reason}")  # noqa: E731
-                if spec.is_gang:
-                    lease = _join_gang(client, spec, _node_rank(node_rank), acquire_timeout, on_status, say)
-                else:
-                    lease = client.acquire(spec, timeout=acquire_timeout, on_status=on_status)
+            lease = _lease_for(client, spec, lease, acquire_timeout, node_rank, say)
             ck = client.resume_info(spec.name)
             resume = ck.path if ck is not None and ck.path and Path(ck.path).exists() else None
             devices = lease.device_indices()
@@ -387,6 +384,10 @@ def run_job(
             delay = min(60.0, backoff_s * 2 ** (crashes - 1))
             say(f"crashed ({describe_exit(rc)}); restart {crashes}/{max_restarts} in {delay:.0f}s from the newest checkpoint")
             time.sleep(delay)
+    except _StopWaiting as stop:
+        say(f"{signal.Signals(stop.signum).name} while no script ran (queued or between runs): nothing to "
+            f"checkpoint; exit {EX_TEMPFAIL} (run again to queue again)")
+        return EX_TEMPFAIL
     finally:
         if proc is not None:
             _stop_child(proc, grace_s)
@@ -406,6 +407,25 @@ def run_job(
             os.rmdir(sockdir)
         except OSError:
             pass
+
+
+class _StopWaiting(Exception):  # noqa: N818 - control flow, not an error
+    """A stop signal arrived while no script ran (the launcher was queued)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _lease_for(client: Any, spec: JobSpec, lease: Any, timeout: float | None, node_rank: int | None, say: Any) -> Any:
+    """``lease`` when the launcher still holds one (after a resize), else a new one: acquired, or joined for a gang."""
+    if lease is not None:
+        return lease
+    say(f"queueing {spec.name}: {spec.describe()}")
+    on_status = lambda st: say(f"{st.state.value}: {st.reason}")  # noqa: E731
+    if spec.is_gang:
+        return _join_gang(client, spec, _node_rank(node_rank), timeout, on_status, say)
+    return client.acquire(spec, timeout=timeout, on_status=on_status)
 
 
 def _join_gang(client: Any, spec: JobSpec, node_rank: int, timeout: float | None, on_status: Any,

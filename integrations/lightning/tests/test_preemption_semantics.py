@@ -149,3 +149,19 @@ def test_a_script_killed_by_a_signal_is_reported_as_such_and_restarted(live_pool
     assert live_pool.wait_exit(run, "oom", LONG) == 0, live_pool.log("oom")
     log = live_pool.log("oom")
     assert "crashed (killed by SIGKILL); restart 1/1" in log and "exit code -9" not in log
+
+
+def test_sigterm_to_a_queued_gpupool_run_stops_it_at_once(live_pool: LivePool, tmp_path: Path) -> None:
+    """A launcher still waiting in the queue has nothing to checkpoint: SIGTERM ends it (75), no job left."""
+    live_pool.start("node-a:1xA100-40GB")
+    client = PoolClient(endpoints=live_pool.endpoint, prefix=live_pool.keys.prefix)
+    try:
+        client.acquire(JobSpec(name="holder", memory="30GiB", qos="guaranteed", priority=10), timeout=LONG)
+        run = run_script(live_pool, "waiter", ["--name", "waiter", "--memory", "30GiB"], "--out", str(tmp_path / "w.pt"))
+        wait_for(lambda: "PENDING" in live_pool.log("waiter"), LONG, what="the launcher to be queued")
+        run.send_signal(signal.SIGTERM)
+        assert live_pool.wait_exit(run, "waiter", LONG) == 75, live_pool.log("waiter")
+        assert "nothing to checkpoint" in live_pool.log("waiter")
+        wait_for(lambda: live_pool.status("waiter") is None, what="the queued job's keys to go")
+    finally:
+        client.close()
