@@ -462,3 +462,37 @@ def test_a_shuffled_loader_resumed_mid_epoch_gives_bit_identical_weights(loader:
     assert trainer.global_step == 24
     for a, b in zip(base.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_preempt_at_an_epochs_last_batch_resumes_with_early_stopping_strict(tmp_path: Path) -> None:
+    """Preempted at the last training batch of an epoch, with validation next and EarlyStopping(strict=True):
+    the checkpoint is taken in the validation loop, and the resumed run finishes with the same weights."""
+    from pytorch_lightning.callbacks import EarlyStopping
+
+    class WithValidation(TinyRegressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def val_dataloader(self) -> Any:
+            return self.train_dataloader()
+
+    def run(pool: GpuPoolCallback, ckpt: str | None = None) -> tuple[Any, Any]:
+        torch.manual_seed(7)
+        model = WithValidation(seed=7, samples=64, batch_size=8, num_workers=0, step_sleep=0.0)
+        trainer = make_trainer(pool, tmp_path, epochs=3, extra=[EarlyStopping("val_loss", patience=100, strict=True)])
+        trainer.fit(model, ckpt_path=ckpt)
+        return trainer, model
+
+    _, base = run(GpuPoolCallback(memory="1GiB", name="es-base", client=FakeClient(FakeLease("b")),
+                                  checkpoint_dir=tmp_path / "b"))
+    lease = FakeLease("es", directive_at_step=8)  # the last batch of epoch 0 (8 batches per epoch)
+    pool = GpuPoolCallback(memory="1GiB", name="es", client=FakeClient(lease), checkpoint_dir=tmp_path / "s")
+    with pytest.raises(SystemExit) as exc:
+        run(pool)
+    assert exc.value.code == 75 and lease.acks[0]["step"] == 8
+    again = GpuPoolCallback(memory="1GiB", name="es", client=FakeClient(FakeLease("es")), checkpoint_dir=tmp_path / "s")
+    trainer, resumed = run(again, again.resume_from)
+    assert trainer.global_step == 24
+    for a, b in zip(base.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
