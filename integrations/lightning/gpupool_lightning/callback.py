@@ -127,7 +127,7 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         self._broadcast: Any = None
         self._resumable: list[ResumableDataLoader] = []
         self._last_checkpoint: str | None = None
-        #: A directive that arrived at an epoch's last batch waits for that epoch's end.
+        #: A directive seen at an epoch's last batch waits for the next training step.
         self._at_epoch_end = False
         self._trainer: Any = None
 
@@ -237,11 +237,12 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
         every = self.options.check_every_n_steps
         if every != 1:
             check = int(trainer.global_step) % every == 0
+        self._at_epoch_end = False
         if check and not rt.inbox.lost and self._validation_follows(trainer, batch_idx):
-            # The epoch's last batch, with its validation next: a checkpoint here (or inside that
-            # validation) resumes into an epoch end whose validation never ran, and
-            # EarlyStopping(strict=True) raises for the missing metric. The epoch's end acts
-            # instead, after its validation (every rank alike): an end-of-epoch checkpoint.
+            # The epoch's last batch, with its validation next: a checkpoint here, inside that
+            # validation or at that epoch's end resumes into an epoch end whose validation never
+            # ran, and EarlyStopping(strict=True) raises for the missing metric. The next
+            # training step acts instead (every rank alike): a plain mid-epoch checkpoint.
             self._at_epoch_end = True
             check = False
         if check:
@@ -271,7 +272,7 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
     def _loop_batch_end(self, trainer: Any) -> None:
         rt = self.runtime
         if self._at_epoch_end and not rt.inbox.lost:
-            return  # the epoch's end acts (see on_train_batch_end)
+            return  # the next training step acts (see on_train_batch_end)
         if self._broadcast is None and not rt.inbox.attention:
             return
         dec = rt.step_boundary(lambda: int(trainer.global_step), self._save(trainer), self._broadcast)
@@ -310,14 +311,6 @@ class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
 
     def _fence(self, trainer: Any, dec: Decision) -> None:
         raise self.runtime.fence(dec, int(trainer.global_step), self._save(trainer))
-
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if not self._at_epoch_end:
-            return
-        self._at_epoch_end = False
-        dec = self.runtime.step_boundary(lambda: int(trainer.global_step), self._save(trainer), self._broadcast)
-        if dec.kind is not None and dec.kind.stops:
-            self._stop(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         # A fit that ends without a preemption finished the job: its checkpoints stop being

@@ -466,7 +466,7 @@ def test_a_shuffled_loader_resumed_mid_epoch_gives_bit_identical_weights(loader:
 
 def test_a_preempt_at_an_epochs_last_batch_resumes_with_early_stopping_strict(tmp_path: Path) -> None:
     """Preempted at the last training batch of an epoch, with validation next and EarlyStopping(strict=True):
-    the checkpoint is taken in the validation loop, and the resumed run finishes with the same weights."""
+    the checkpoint is taken at the next training step, and the resumed run finishes with the same weights."""
     from pytorch_lightning.callbacks import EarlyStopping
 
     class WithValidation(TinyRegressor):
@@ -490,7 +490,7 @@ def test_a_preempt_at_an_epochs_last_batch_resumes_with_early_stopping_strict(tm
     pool = GpuPoolCallback(memory="1GiB", name="es", client=FakeClient(lease), checkpoint_dir=tmp_path / "s")
     with pytest.raises(SystemExit) as exc:
         run(pool)
-    assert exc.value.code == 75 and lease.acks[0]["step"] == 8
+    assert exc.value.code == 75 and lease.acks[0]["step"] == 9
     again = GpuPoolCallback(memory="1GiB", name="es", client=FakeClient(FakeLease("es")), checkpoint_dir=tmp_path / "s")
     trainer, resumed = run(again, again.resume_from)
     assert trainer.global_step == 24
