@@ -26,24 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpupool_lightning._compat import CALLBACK_BASES
 from gpupool_sdk.errors import ConfigError
 from gpupool_torch.batching import ElasticBatchSampler, MicroBatchRule, find_elastic_sampler, plan_micro_batch
 
 log = logging.getLogger("gpupool_lightning")
 
-_bases: list[type] = []
-try:
-    from pytorch_lightning import Callback as _PLCallback
-
-    _bases.append(_PLCallback)
-except ImportError:  # pragma: no cover - depends on the environment
-    pass
-try:
-    from lightning.pytorch import Callback as _LCallback
-
-    _bases.append(_LCallback)
-except ImportError:
-    pass
 
 __all__ = ["BatchAdapter", "BatchChange"]
 
@@ -84,7 +72,7 @@ class BatchChange:
     limit_bytes: int | None
 
 
-class BatchAdapter(*_bases):  # type: ignore[misc]
+class BatchAdapter(*CALLBACK_BASES):  # type: ignore[misc]
     """Changes the micro-batch size and gradient accumulation when the job's memory limit changes.
 
     Needs a :class:`~gpupool_lightning.GpuPoolCallback` in the same Trainer (its balloon tells the

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gpupool_lightning._compat import CALLBACK_BASES
 from gpupool_sdk.runtime import EX_TEMPFAIL, PoolAdapter, PoolLeaseLostError, PoolRuntime, RuntimeOptions
 from gpupool_sdk.runtime.decision import CARRY_ON, Decision, DecisionKind
 from gpupool_sdk.telemetry.phases import PHASE_INDEX, Phase
@@ -35,24 +36,6 @@ from gpupool_torch.session import memory_tier
 
 log = logging.getLogger("gpupool_lightning")
 
-_bases: list[type] = []
-try:
-    from pytorch_lightning import Callback as _PLCallback
-
-    _bases.append(_PLCallback)
-except ImportError:  # pragma: no cover - depends on the environment
-    pass
-try:
-    from lightning.pytorch import Callback as _LCallback
-
-    _bases.append(_LCallback)
-except ImportError:
-    pass
-if not _bases:  # pragma: no cover
-    raise ImportError(
-        "GpuPoolCallback needs Lightning: pip install pytorch-lightning (or lightning), "
-        "or use gpupool_torch.PoolSession for a plain PyTorch loop"
-    )
 
 __all__ = ["EX_TEMPFAIL", "GpuPoolCallback", "PoolLeaseLostError", "ResumableDataLoader"]
 
@@ -73,7 +56,7 @@ def _loaders(obj: Any) -> list[Any]:
     return [obj]
 
 
-class GpuPoolCallback(PoolAdapter, *_bases):  # type: ignore[misc]
+class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
     """Leases GPU slices from the pool for a Lightning Trainer and obeys the pool's directives.
 
     The constructor takes the lease *before* the Trainer touches CUDA: it submits the job spec,
