@@ -334,6 +334,9 @@ def run_job(
                     say(f"stopped by {signal.Signals(stop_signal[0]).name}: checkpointed; exit {EX_TEMPFAIL} "
                         "(run again to resume)")
                     return EX_TEMPFAIL
+                if rc == 0:
+                    say(f"the script finished (exit code 0) as {signal.Signals(stop_signal[0]).name} arrived")
+                    return 0
                 say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script ended with {describe_exit(rc)} "
                     "without a checkpoint")
                 return shell_code(rc) or 1

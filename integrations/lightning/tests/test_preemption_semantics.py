@@ -25,7 +25,7 @@ from integrations.lightning.tests.conftest import ROOT, LivePool, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCRIPT = str(ROOT / "examples" / "readme_train.py")
-ARGS = ["--epochs", "3", "--step-sleep", "0.05"]
+ARGS = ["--epochs", "3", "--step-sleep", "0.1"]
 STEPS = 3 * 192 // 8
 #: A whole run (or two, with a restart) of Lightning start-ups on a loaded 2-core machine: a bound, not a goal.
 LONG = 600.0
