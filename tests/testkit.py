@@ -82,3 +82,24 @@ def publish_gpus(store: Any, gpus: Sequence[Any], lease: int | None = None, ttl_
                         started_at=time.time())
         store.put(store.keys.node(node), info, lease=lease)
     return lease
+
+
+def build_fake_cudart(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    """Compile ``tests/memory/fake_cudart.c`` (a libcudart stand-in for CPU tests); skip without a C compiler.
+
+    Returns:
+        ``(path, ctypes.CDLL)`` of the built library.
+    """
+    import ctypes
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = Path(__file__).resolve().parent / "memory" / "fake_cudart.c"
+    out = tmp_path_factory.mktemp("fake_cudart") / "libcudart_fake.so"
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(out), str(source)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.fake_set_limit.argtypes = [ctypes.c_longlong]
+    lib.fake_in_use.restype = ctypes.c_longlong
+    return str(out), lib

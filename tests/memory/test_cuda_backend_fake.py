@@ -8,12 +8,11 @@ failures reported as DeviceOutOfMemoryError, and segments returned with cudaFree
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testkit import build_fake_cudart  # noqa: E402
 
 from gpupool_sdk.memory import CachingAllocator, DeviceOutOfMemoryError, NativeBuildError, QuotaExceededError
 
@@ -23,15 +22,7 @@ SOURCE = Path(__file__).with_name("fake_cudart.c")
 
 @pytest.fixture(scope="module")
 def fake_cudart(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ctypes.CDLL]:
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("fake_cudart") / "libcudart_fake.so"
-    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(out), str(SOURCE)], check=True)
-    lib = ctypes.CDLL(str(out))
-    lib.fake_set_limit.argtypes = [ctypes.c_longlong]
-    lib.fake_in_use.restype = ctypes.c_longlong
-    return str(out), lib
+    return build_fake_cudart(tmp_path_factory)  # type: ignore[no-any-return]
 
 
 @pytest.fixture

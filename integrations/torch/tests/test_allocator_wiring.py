@@ -10,8 +10,6 @@ records the device each ``cudaMalloc`` ran on. The C entry points torch would ca
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -21,6 +19,8 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from testkit import build_fake_cudart  # noqa: E402
 
 from gpupool_sdk.errors import ConfigError  # noqa: E402
 from gpupool_sdk.memory import InstallError, QuotaExceededError, _native  # noqa: E402
@@ -34,15 +34,7 @@ FAKE_SOURCE = Path(__file__).resolve().parents[3] / "tests" / "memory" / "fake_c
 
 @pytest.fixture(scope="module")
 def fake_cudart(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ctypes.CDLL]:
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("fake_cudart") / "libcudart_fake.so"
-    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(out), str(FAKE_SOURCE)], check=True)
-    lib = ctypes.CDLL(str(out))
-    lib.fake_set_limit.argtypes = [ctypes.c_longlong]
-    lib.fake_in_use.restype = ctypes.c_longlong
-    return str(out), lib
+    return build_fake_cudart(tmp_path_factory)  # type: ignore[no-any-return]
 
 
 class Swap:
