@@ -21,6 +21,7 @@ from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator
 from gpupool_sdk.coordinator.coordinator import DEFAULT_ETCD_MAX_TXN_OPS
 from gpupool_sdk.errors import ConfigError, StoreUnavailableError
+from gpupool_sdk.scheduler.autoscale import AutoscaleSettings
 from gpupool_sdk.scheduler.config import load_policy_config, parse_assignment
 from gpupool_sdk.scheduler.types import MIN_ETCD_MAX_TXN_OPS
 from gpupool_sdk.store import EtcdSecurity, EtcdStore
@@ -35,6 +36,77 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
     if not (math.isfinite(ttl_s) and math.isfinite(loop_wait_s)):
         return 10.0  # the timing check that follows rejects the non-finite flag, naming it
     return max(0.1, min(10.0, (math.ceil(ttl_s) - loop_wait_s) / 2))
+
+
+#: ``AutoscaleSettings`` field -> the flag that sets it (for error messages).
+AUTOSCALE_FLAGS = {
+    "scale_up_after_s": "--scale-up-after",
+    "scale_down_idle_s": "--scale-down-idle",
+    "min_nodes": "--autoscale-min-nodes",
+    "max_nodes": "--autoscale-max-nodes",
+    "gpus_per_node": "--autoscale-gpus-per-node",
+    "default_type": "--autoscale-default-type",
+}
+
+
+def autoscale_settings(
+    enabled: bool = True,
+    scale_up_after_s: float | None = None,
+    scale_down_idle_s: float | None = None,
+    min_nodes: int | None = None,
+    max_nodes: int | None = None,
+    gpus_per_node: tuple[str, ...] = (),
+    default_type: str | None = None,
+) -> AutoscaleSettings | None:
+    """The coordinator's :class:`AutoscaleSettings` from its flags (None: ``--no-autoscale``).
+
+    Unset flags keep the settings' defaults.
+
+    Raises:
+        click.BadParameter: a value out of range or a malformed ``TYPE=N``, naming the flag.
+
+    Example:
+        >>> autoscale_settings(gpus_per_node=("H100-80GB=8",), max_nodes=32).max_nodes
+        32
+    """
+    given = {"scale_up_after_s": scale_up_after_s, "scale_down_idle_s": scale_down_idle_s, "min_nodes": min_nodes,
+             "max_nodes": max_nodes, "default_type": default_type}
+    if not enabled:
+        set_flags = [AUTOSCALE_FLAGS[k] for k, v in given.items() if v is not None] + (
+            [AUTOSCALE_FLAGS["gpus_per_node"]] if gpus_per_node else [])
+        if set_flags:
+            raise click.BadParameter(f"{', '.join(set_flags)} given with --no-autoscale; drop one or the other",
+                                     param_hint="--no-autoscale")
+        return None
+    per_node: dict[str, int] = {}
+    for text in gpus_per_node:
+        gpu_type, sep, count = text.partition("=")
+        gpu_type, count = gpu_type.strip(), count.strip()
+        if not sep or not gpu_type or not count.isdigit() or int(count) < 1:
+            raise click.BadParameter(f"{text!r}: expected TYPE=N with a whole N >= 1, e.g. H100-80GB=8",
+                                     param_hint="--autoscale-gpus-per-node")
+        per_node[gpu_type] = int(count)
+    if default_type is not None and not default_type.strip():
+        raise click.BadParameter("must name a GPU type, e.g. H100-80GB", param_hint="--autoscale-default-type")
+    values: dict[str, object] = {k: v for k, v in given.items() if v is not None}
+    try:
+        return AutoscaleSettings(**values, gpus_per_node=per_node)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        flag = AUTOSCALE_FLAGS.get(exc.field, exc.field)
+        if exc.field == "min_nodes" and min_nodes is None:
+            flag = "--autoscale-max-nodes"
+        message = str(exc)[len(exc.field) + 2:] if str(exc).startswith(exc.field + ": ") else str(exc)
+        raise click.BadParameter(message, param_hint=flag) from None
+
+
+def describe_autoscale(settings: AutoscaleSettings | None) -> str:
+    """One line for the start-up banner: the autoscale thresholds in force, or ``off``."""
+    if settings is None:
+        return "# autoscale: off (--no-autoscale)"
+    per = ", ".join(f"{t}={n}" for t, n in sorted(settings.gpus_per_node.items())) or "largest node of the type"
+    return (f"# autoscale: scale_up_after {settings.scale_up_after_s:g}s, scale_down_idle {settings.scale_down_idle_s:g}s, "
+            f"nodes {settings.min_nodes}-{settings.max_nodes} per type, gpus_per_node {per}, "
+            f"default_type {settings.default_type or 'most nodes'}")
 
 
 @click.command("coordinator")
@@ -72,6 +144,22 @@ def default_retry_timeout(ttl_s: float, loop_wait_s: float) -> float:
 @click.option("--orphan-grace", "orphan_grace_s", type=float, default=None,
               help="Seconds before the leader deletes an orphaned allocation (its job's lease or spec gone); "
                    "counted as used until then. Default 2 x --ttl.")
+@click.option("--autoscale/--no-autoscale", "autoscale_on", default=True, show_default=True,
+              help="Publish the autoscale signal ({prefix}/autoscale and gpupool_autoscale_* metrics; docs/autoscale.md).")
+@click.option("--scale-up-after", "scale_up_after_s", type=float, default=None, metavar="SECONDS",
+              help="Autoscale: a pending job counts as demand for new nodes once it has waited this long (default 60).")
+@click.option("--scale-down-idle", "scale_down_idle_s", type=float, default=None, metavar="SECONDS",
+              help="Autoscale: a node holding no slice this long is named for scale-down (default 600).")
+@click.option("--autoscale-min-nodes", type=int, default=None, metavar="N",
+              help="Autoscale: never ask for fewer nodes of a GPU type than this (default 0).")
+@click.option("--autoscale-max-nodes", type=int, default=None, metavar="N",
+              help="Autoscale: never ask for more nodes of a GPU type than this (default 10000).")
+@click.option("--autoscale-gpus-per-node", "autoscale_gpus_per_node", multiple=True, metavar="TYPE=N",
+              help="Autoscale: GPUs a new node of TYPE brings (H100-80GB=8); repeatable. Default: the largest node "
+                   "of that type in the pool, else 8.")
+@click.option("--autoscale-default-type", default=None, metavar="TYPE",
+              help="Autoscale: the GPU type pending jobs without gpu_model count for (default: the type with the most "
+                   "nodes).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def coordinator(
     endpoints: str | None,
@@ -92,6 +180,13 @@ def coordinator(
     metrics_port: int | None,
     metrics_addr: str,
     orphan_grace_s: float | None,
+    autoscale_on: bool,
+    scale_up_after_s: float | None,
+    scale_down_idle_s: float | None,
+    autoscale_min_nodes: int | None,
+    autoscale_max_nodes: int | None,
+    autoscale_gpus_per_node: tuple[str, ...],
+    autoscale_default_type: str | None,
     log_level: str,
 ) -> None:
     """Run a coordinator replica: leader election, scheduling, fenced grants and preemptions."""
@@ -130,6 +225,10 @@ def coordinator(
         )
         message = str(exc)[len(exc.field) + 2 :] if flag == exc.field else str(exc)
         raise click.BadParameter(message, param_hint=flag) from None
+    autoscale = autoscale_settings(
+        autoscale_on, scale_up_after_s, scale_down_idle_s, autoscale_min_nodes, autoscale_max_nodes,
+        autoscale_gpus_per_node, autoscale_default_type,
+    )
     store = EtcdStore(
         resolve_endpoints(endpoints), keyspace=Keyspace.from_env(prefix), timeout_s=max(1.0, retry_timeout), security=security
     )
@@ -142,7 +241,7 @@ def coordinator(
         coord = Coordinator(
             store, config, timing, coordinator_id=coordinator_id, loop_wait_s=loop_wait, prices=prices,
             on_cycle=coord_metrics.observe_cycle if coord_metrics is not None else None,
-            orphan_grace_s=orphan_grace_s,
+            orphan_grace_s=orphan_grace_s, autoscale=autoscale,
         )
     except ConfigError as exc:
         hint = "--orphan-grace" if exc.field == "orphan_grace_s" else "--loop-wait"
@@ -185,6 +284,7 @@ def coordinator(
         err=True,
     )
     click.echo(policy.describe(), err=True)
+    click.echo(describe_autoscale(autoscale), err=True)
     try:
         stats = coord.run()
     finally:
