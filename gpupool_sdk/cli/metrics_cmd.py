@@ -1,7 +1,7 @@
 """``gpupool metrics``: the Prometheus exporter and the cost and right-sizing report.
 
 * ``gpupool metrics serve --port 9400``: a standalone exporter reading etcd on each scrape.
-* ``gpupool metrics report [-o table|json]``: cost by job and owner, plus advice.
+* ``gpupool metrics report [-o table|wide|json|yaml] [--no-headers]``: cost by job and owner, plus advice.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from types import FrameType
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option, unreachable
+from gpupool_sdk.cli.output import TableSpec
 from gpupool_sdk.cli.top_cmd import (
+    Sections,
     load_prices,
     open_store,
     prices_option,
@@ -107,39 +107,39 @@ def serve(
             server.close()
 
 
-def render_report(doc: dict[str, Any], console: Console) -> None:
-    """Render the cost report: jobs, owners, advice."""
-    jobs = Table(title="cost by job", title_justify="left", box=None, pad_edge=False)
-    for col in ("JOB", "OWNER", "QOS", "GPU-H", "MEM GiB-H", "COST $", "$/H NOW", "LIVE"):
-        jobs.add_column(col, no_wrap=True)
+def report_sections(doc: dict[str, Any]) -> Sections:
+    """The cost report as tables and lines: cost by job, cost by owner, the totals, advice.
+
+    Wide-only column (``-o wide``): the job's GPU-hours by model.
+    """
+    jobs = TableSpec(["JOB", "OWNER", "QOS", "GPU-H", "GPU-H BY MODEL", "MEM GiB-H", "COST $", "$/H NOW", "LIVE"], [],
+                     "cost by job", wide=frozenset({"GPU-H BY MODEL"}))
     for j in doc["jobs"]:
-        jobs.add_row(
+        by_model = ",".join(f"{m}={s / 3600.0:.2f}" for m, s in sorted(j["gpu_seconds_by_model"].items()))
+        jobs.rows.append([
             j["job"],
             j["owner"] or "-",
             j["qos"],
             f"{j['gpu_hours']:.2f}",
+            by_model or "-",
             f"{j['memory_gib_hours']:.1f}",
             f"{j['cost_usd']:.2f}",
             f"{j['cost_usd_per_hour']:.2f}",
             "yes" if j["live"] else "no",
-        )
-    console.print(jobs)
-    owners = Table(title="cost by owner", title_justify="left", box=None, pad_edge=False)
-    for col in ("OWNER", "JOBS", "GPU-H", "COST $"):
-        owners.add_column(col, no_wrap=True)
+        ])
+    owners = TableSpec(["OWNER", "JOBS", "GPU-H", "COST $"], [], "cost by owner")
     for o in doc["owners"]:
-        owners.add_row(o["owner"] or "-", str(o["jobs"]), f"{o['gpu_hours']:.2f}", f"{o['cost_usd']:.2f}")
-    console.print(owners)
-    console.print(
-        f"total ${doc['total_cost_usd']:.2f}; current rate ${doc['cost_usd_per_hour']:.2f}/h; "
-        f"advice could save about ${doc['saving_usd_per_hour']:.2f}/h"
-    )
-    advice = Table(title="advice", title_justify="left", box=None, pad_edge=False)
-    for col in ("JOB", "KIND", "SAVING $/H", "ADVICE"):
-        advice.add_column(col)
+        owners.rows.append([o["owner"] or "-", str(o["jobs"]), f"{o['gpu_hours']:.2f}", f"{o['cost_usd']:.2f}"])
+    advice = TableSpec(["JOB", "KIND", "SAVING $/H", "ADVICE"], [], "advice")
     for a in doc["advice"]:
-        advice.add_row(a["job"], a["kind"], f"{a['saving_usd_per_hour']:.2f}", a["message"])
-    console.print(advice if doc["advice"] else "advice: none")
+        advice.rows.append([a["job"], a["kind"], f"{a['saving_usd_per_hour']:.2f}", a["message"]])
+    return [
+        jobs if doc["jobs"] else "cost by job: no usage recorded",
+        owners if doc["owners"] else "cost by owner: none",
+        f"total ${doc['total_cost_usd']:.2f}; current rate ${doc['cost_usd_per_hour']:.2f}/h; "
+        f"advice could save about ${doc['saving_usd_per_hour']:.2f}/h",
+        advice if doc["advice"] else "advice: none",
+    ]
 
 
 @metrics.command("report")
@@ -149,11 +149,14 @@ def report(
     security: EtcdSecurity,
     prefix: str | None,
     output: str,
+    no_headers: bool,
     watch_s: float | None,
     prices_path: Path | None,
     timeout_s: float,
 ) -> None:
     """Cost by job and owner, and right-sizing advice.
+
+    On a terminal the tables have borders; piped or redirected they are plain aligned columns.
 
     \b
     Examples:
@@ -169,6 +172,7 @@ def report(
         watch_s,
         output,
         lambda view: cost_report(view, prices, offers),
-        render_report,
+        report_sections,
         security=security,
+        no_headers=no_headers,
     )

@@ -7,7 +7,6 @@ cost. GPUs: memory and compute granted, measured use and the jobs on each.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,7 +15,6 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.table import Table
 
 from gpupool_sdk.cli.common import (
     endpoints_option,
@@ -26,7 +24,14 @@ from gpupool_sdk.cli.common import (
     watch_loop,
     watch_option,
 )
-from gpupool_sdk.cli.output import emit_document, output_option
+from gpupool_sdk.cli.output import (
+    TableSpec,
+    emit_document,
+    is_terminal,
+    no_headers_option,
+    output_option,
+    print_sections,
+)
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import format_size
 from gpupool_sdk.store.keyspace import Keyspace
@@ -94,10 +99,16 @@ def report_errors(errors: list[str] | tuple[str, ...]) -> None:
 
 def report_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The options of a reporting command (``top``, ``metrics report``): where the pool is, how to show it."""
-    options = (endpoints_option, etcd_security_options, prefix_option, output_option, watch_option, prices_option, timeout_option)
+    options = (
+        endpoints_option, etcd_security_options, prefix_option, output_option, no_headers_option, watch_option,
+        prices_option, timeout_option,
+    )
     for option in reversed(options):
         f = option(f)
     return f
+
+
+Sections = list[TableSpec | str]
 
 
 def show_report(
@@ -107,35 +118,37 @@ def show_report(
     watch_s: float | None,
     output: str,
     build: Callable[[PoolView], dict[str, Any]],
-    render_table: Callable[[dict[str, Any], Console], None],
+    sections: Callable[[dict[str, Any]], Sections],
     security: EtcdSecurity | None = None,
+    no_headers: bool = False,
 ) -> None:
     """Read the pool, ``build`` the report document and print it (tables, JSON or YAML), once or under ``-w``.
 
-    ``-o wide`` prints the same tables as ``-o table`` (they are already complete).
+    Tables go through :func:`~gpupool_sdk.cli.output.print_sections`, as ``gpupool status``'s do:
+    rich tables on a terminal, plain aligned columns in a pipe or a file, ``-o wide`` adds the
+    wide-only columns, ``--no-headers`` drops header rows and titles.
 
     Malformed values are reported on stderr; an unreachable etcd is handled by
     :func:`~gpupool_sdk.cli.common.watch_loop` (exit 3 once, retried while watching).
     """
-    console = report_console()
+    console = Console(highlight=False) if is_terminal() else None
+    shown = [0]
 
     def show(view: PoolView, watching: bool) -> None:
         doc = build(view)
         if output in ("json", "yaml"):
             emit_document(doc, output, watching)  # under -w: one JSON object per line
         else:
-            if watching:
+            if watching and console is not None:
                 console.clear()
-            render_table(doc, console)
+            elif shown[0]:
+                click.echo("")  # a blank line between two refreshes in a pipe
+            shown[0] += 1
+            print_sections(sections(doc), wide=output == "wide", no_headers=no_headers, console=console)
         report_errors(view.errors)
 
     with open_store(endpoints, prefix, timeout_s, security) as store:
         watch_loop(endpoints, watch_s, lambda: load_view(store), show)
-
-
-def report_console() -> Console:
-    """A console for tables: terminal width on a terminal, wide enough not to truncate in a pipe."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 def _pct(x: float | None) -> str:
@@ -150,43 +163,51 @@ def _num(x: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def render_top(doc: dict[str, Any], console: Console) -> None:
-    """Render the ``top`` document as two tables."""
+def top_sections(doc: dict[str, Any]) -> Sections:
+    """The ``top`` document as a line and two tables (jobs, GPUs).
+
+    Wide-only columns (``-o wide``): the jobs' owner, priority, step and telemetry age; the GPUs'
+    UUID and health reasons.
+    """
     leader = doc["leader"]
-    console.print(
-        f"leader: {leader['id']} (term {leader['term']})" if leader else "leader: none",
-        f"  revision {doc['revision']}",
-        f"  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(doc['at']))}",
+    head = f"leader: {leader['id']} (term {leader['term']})" if leader else "leader: none"
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["at"]))
+    jobs = TableSpec(
+        ["JOB", "STATE", "QOS", "OWNER", "PRIO", "SLICES", "STEP", "STEP/S", "PHASES D F B O C", "MEM PEAK/QUOTA",
+         "UTIL", "TELEMETRY AGE", "GPU-H", "COST $", "$/H"],
+        [], "jobs (phases: D data, F forward, B backward, O optimizer, C checkpoint, . other)",
+        wide=frozenset({"OWNER", "PRIO", "STEP", "TELEMETRY AGE"}),
     )
-    jobs = Table(title="jobs", title_justify="left", box=None, pad_edge=False)
-    for col in ("JOB", "STATE", "QOS", "SLICES", "STEP/S", "PHASES D F B O C", "MEM PEAK/QUOTA", "UTIL",
-                "GPU-H", "COST $", "$/H"):
-        jobs.add_column(col, no_wrap=True)
     for r in doc["jobs"]:
         bar = f"[{phase_bar(r['phase_fraction'])}] {r['dominant_phase'] or ''}" if r["phase_fraction"] else "-"
-        jobs.add_row(
+        jobs.rows.append([
             r["job"],
             r["state"],
             r["qos"] or "-",
+            r["owner"] or "-",
+            "-" if r["priority"] is None else str(r["priority"]),
             str(r["slices"]),
+            "-" if r["step"] is None else str(r["step"]),
             _num(r["steps_per_s"]),
             bar.rstrip(),
             f"{_size(r['memory_peak_bytes'])}/{_size(r['memory_quota_bytes'])}",
             _pct(r["gpu_util"]),
+            _num(r["telemetry_age_s"], "{:.0f}s"),
             _num(r["gpu_seconds"] / 3600.0),
             _num(r["cost_usd"]),
             _num(r["cost_usd_per_hour"]),
-        )
-    console.print(jobs)
-    gpus = Table(title="gpus", title_justify="left", box=None, pad_edge=False)
-    for col in ("GPU", "MODEL", "HEALTH", "MEM ALLOC/TOTAL", "MEM USED", "COMPUTE", "UTIL", "JOBS"):
-        gpus.add_column(col, no_wrap=True)
+        ])
+    gpus = TableSpec(
+        ["GPU", "UUID", "MODEL", "HEALTH", "MEM ALLOC/TOTAL", "MEM USED", "COMPUTE", "UTIL", "JOBS", "HEALTH REASONS"],
+        [], "gpus", wide=frozenset({"UUID", "HEALTH REASONS"}),
+    )
     for g in doc["gpus"]:
         health = "ok" if g["healthy"] else "UNHEALTHY"
         if g["cordoned"]:
             health += ",cordoned"
-        gpus.add_row(
+        gpus.rows.append([
             f"{g['node']}/{g['index']}",
+            g["gpu"],
             g["model"],
             health,
             f"{_size(g['memory_allocated_bytes'])}/{_size(g['memory_bytes'])}",
@@ -194,8 +215,13 @@ def render_top(doc: dict[str, Any], console: Console) -> None:
             _pct(g["compute_allocated"]),
             _pct(g["util"]),
             ",".join(g["jobs"]) or "-",
-        )
-    console.print(gpus)
+            "; ".join(g["health_reasons"]) or "-",
+        ])
+    return [
+        f"{head}   revision {doc['revision']}   {at}",
+        jobs if doc["jobs"] else "no jobs",
+        gpus if doc["gpus"] else "no GPUs: start `gpupool agent` on each GPU machine",
+    ]
 
 
 @click.command("top")
@@ -205,20 +231,26 @@ def top(
     security: EtcdSecurity,
     prefix: str | None,
     output: str,
+    no_headers: bool,
     watch_s: float | None,
     prices_path: Path | None,
     timeout_s: float,
 ) -> None:
     """Live per-job and per-GPU utilisation, memory, cost.
 
+    On a terminal the tables have borders; piped or redirected they are plain aligned columns.
+
     \b
     Examples:
         gpupool top                 # one table of jobs, one of GPUs
         gpupool top -w 2            # refresh every 2 s until Ctrl-C (an unreachable etcd is retried)
+        gpupool top -o wide         # more columns (owner, priority, step, telemetry age, GPU UUID...)
+        gpupool top --no-headers    # rows only, for grep and awk
         gpupool top -o json         # the same as JSON (or -o yaml), for scripts
         gpupool top -w 5 -o json    # one JSON object per line every 5 s
     """
     prices = load_prices(prices_path)
     show_report(
-        endpoints, prefix, timeout_s, watch_s, output, lambda view: top_report(view, prices), render_top, security=security
+        endpoints, prefix, timeout_s, watch_s, output, lambda view: top_report(view, prices), top_sections,
+        security=security, no_headers=no_headers,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,100 @@ def test_top_table(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_fi
     for word in ("bert", "loader", "GRANTED", "PENDING", "node-a/0", "UNHEALTHY,cordoned"):
         assert word in out
     assert "[" in out and "B" in out  # the phase bar
+
+
+BOX_DRAWING = re.compile("[\u2500-\u257f]")
+
+
+def _header(out: str, first: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(first + " "))
+
+
+def test_top_plain_tables_are_aligned_columns(
+    store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path
+) -> None:
+    """Not a terminal (CliRunner's stdout): plain columns, a header row, rows aligned under it."""
+    populate(store)
+    out = _run(["top"], etcd_endpoint, keyspace, prices_file).stdout
+    assert not BOX_DRAWING.search(out) and "\x1b[" not in out, out
+    jobs_header = _header(out, "JOB")
+    assert re.match(r"JOB\s{3,}STATE\s{3,}QOS\s{3,}SLICES", jobs_header), jobs_header
+    bert = next(line for line in out.splitlines() if line.startswith("bert "))
+    assert bert.index("GRANTED") == jobs_header.index("STATE")
+    gpus_header = _header(out, "GPU")
+    a1 = next(line for line in out.splitlines() if line.startswith("node-a/1 "))
+    assert a1.index("UNHEALTHY,cordoned") == gpus_header.index("HEALTH")
+    # wide-only columns stay out of the default table
+    assert "OWNER" not in jobs_header and "UUID" not in gpus_header
+    assert out.splitlines()[1].startswith("jobs (phases: D data")  # the title, on a line of its own
+
+
+def test_top_wide_and_no_headers(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:
+    populate(store)
+    wide = _run(["top", "-o", "wide"], etcd_endpoint, keyspace, prices_file)
+    assert wide.exit_code == 0, wide.output
+    jobs_header = _header(wide.stdout, "JOB")
+    assert "OWNER" in jobs_header and "PRIO" in jobs_header and "TELEMETRY AGE" in jobs_header
+    bert = next(line for line in wide.stdout.splitlines() if line.startswith("bert "))
+    assert bert.index("nlp") == jobs_header.index("OWNER")
+    gpus_header = _header(wide.stdout, "GPU")
+    assert "UUID" in gpus_header and "HEALTH REASONS" in gpus_header
+    a1 = next(line for line in wide.stdout.splitlines() if line.startswith("node-a/1 "))
+    assert a1.index("GPU-a1") == gpus_header.index("UUID") and "xid 79" in a1
+
+    bare = _run(["top", "--no-headers"], etcd_endpoint, keyspace, prices_file)
+    assert bare.exit_code == 0, bare.output
+    lines = bare.stdout.splitlines()
+    assert not any(line.startswith(("JOB ", "GPU ", "jobs", "gpus")) for line in lines), bare.stdout
+    # rows only after the leader line (a blank line between the tables): every job and GPU, name first
+    firsts = {line.split()[0] for line in lines[1:] if line}
+    assert {"bert", "loader", "waiting", "old-run", "node-a/0", "node-a/1"} <= firsts
+
+
+def test_top_yaml_is_the_json_document(store: Any, etcd_endpoint: str, keyspace: Keyspace) -> None:
+    import yaml
+
+    populate(store)
+    y = _run(["top", "-o", "yaml"], etcd_endpoint, keyspace)
+    j = _run(["top", "-o", "json"], etcd_endpoint, keyspace)
+    assert y.exit_code == 0 and j.exit_code == 0, y.output + j.output
+    ydoc, jdoc = yaml.safe_load(y.stdout), json.loads(j.stdout)
+    assert [r["job"] for r in ydoc["jobs"]] == [r["job"] for r in jdoc["jobs"]]
+    assert ydoc["gpus"] == jdoc["gpus"]
+
+
+def test_top_on_a_terminal_draws_rich_tables(
+    store: Any, etcd_endpoint: str, keyspace: Keyspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where stdout is a terminal the same tables are drawn by rich (one table code path: cli/output.py)."""
+    import gpupool_sdk.cli.top_cmd as top_cmd
+
+    populate(store)
+    monkeypatch.setattr(top_cmd, "is_terminal", lambda: True)
+    monkeypatch.setenv("COLUMNS", "300")
+    out = _run(["top"], etcd_endpoint, keyspace).stdout
+    assert BOX_DRAWING.search(out), out
+    assert "bert" in out and "node-a/1" in out and "UNHEALTHY,cordoned" in out
+
+
+def test_metrics_report_plain_wide_and_no_headers(
+    store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path
+) -> None:
+    populate(store)
+    out = _run(["metrics", "report"], etcd_endpoint, keyspace, prices_file).stdout
+    assert not BOX_DRAWING.search(out), out
+    header = _header(out, "JOB")
+    assert "GPU-H BY MODEL" not in header
+    bert = next(line for line in out.splitlines() if line.startswith("bert "))
+    assert bert.index("nlp") == header.index("OWNER")
+    wide = _run(["metrics", "report", "-o", "wide"], etcd_endpoint, keyspace, prices_file).stdout
+    wide_header = _header(wide, "JOB")
+    wide_bert = next(line for line in wide.splitlines() if line.startswith("bert "))
+    assert "GPU-H BY MODEL" in wide_header  # its usage record has no per-model split: "-"
+    assert wide_bert[wide_header.index("GPU-H BY MODEL"):].startswith("- ")
+    bare = _run(["metrics", "report", "--no-headers"], etcd_endpoint, keyspace, prices_file).stdout
+    assert "cost by job" not in bare and not any(line.startswith("JOB ") for line in bare.splitlines())
+    assert any(line.startswith("bert ") for line in bare.splitlines())
 
 
 def test_metrics_report_json(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:
