@@ -9,7 +9,11 @@ minimum run times pass without any key changing. Each wake-up:
 2. **Cycle** (leader only, one at a time): read the whole prefix at one revision
    (:func:`~gpupool_sdk.coordinator.snapshot.build_state`), run the pure
    :class:`~gpupool_sdk.scheduler.policy.Scheduler`, apply its decisions through the
-   :class:`~gpupool_sdk.coordinator.apply.Applier`, fenced on the leader key.
+   :class:`~gpupool_sdk.coordinator.apply.Applier`, fenced on the leader key. A cycle whose
+   scheduler input is unchanged but for the clock (no key the snapshot is built from was written
+   or deleted since the last scheduled read, same term) before that cycle's
+   ``ScheduleResult.valid_until`` (:mod:`~gpupool_sdk.scheduler.horizon`) is **skipped**: the
+   scheduler would decide what was just applied. Usage, orphans and autoscale still run.
 3. **Usage.** Accrue GPU-seconds and cost of every held slice into the
    :class:`~gpupool_sdk.telemetry.usage.UsageLedger`; flush changed ``usage/{job}`` records
    (fenced) every ``usage_flush_s`` and whenever a job gives its slices back. Each job is charged
@@ -90,6 +94,8 @@ class CycleReport:
         granted_jobs: jobs whose grant was written this cycle.
         snapshot: the snapshot the cycle scheduled on.
         autoscale: the autoscale signal computed after the cycle (None when autoscaling is off).
+        skipped: the scheduler was not run: nothing but the clock changed since the last
+            scheduled cycle, before its ``valid_until`` (``decisions`` 0, nothing applied).
     """
 
     term: int
@@ -102,6 +108,7 @@ class CycleReport:
     granted_jobs: tuple[str, ...] = ()
     snapshot: st.ClusterSnapshot | None = None
     autoscale: AutoscaleSignal | None = None
+    skipped: bool = False
 
 
 @dataclass
@@ -109,6 +116,8 @@ class CoordinatorStats:
     """Counters since start (exposed to metrics and ``run()`` callers)."""
 
     cycles: int = 0
+    #: cycles whose scheduler run was skipped (nothing but the clock changed, see :class:`CycleReport`).
+    skipped: int = 0
     decisions: int = 0
     applied: dict[str, int] = field(default_factory=dict)
     fenced_out: int = 0
@@ -139,6 +148,10 @@ class Coordinator:
             a key on an expiring lease normally vanishes on its own first).
         autoscale: thresholds of the autoscale signal the leader publishes at ``{prefix}/autoscale``
             after each cycle (see :mod:`~gpupool_sdk.scheduler.autoscale`); None: not published.
+        skip_unchanged: skip the scheduler (and the apply) in cycles where nothing but the clock
+            changed, before the last scheduled cycle's ``valid_until`` (default True; False runs
+            every cycle in full: the same writes, more CPU). Needs a scheduler whose ``run``
+            returns a :class:`~gpupool_sdk.scheduler.types.ScheduleResult`.
 
     Raises:
         ConfigError: the timing relation does not hold, or ``orphan_grace_s`` is negative; the
@@ -163,6 +176,7 @@ class Coordinator:
         on_cycle: Callable[[CycleReport], None] | None = None,
         orphan_grace_s: float | None = None,
         autoscale: AutoscaleSettings | None = AutoscaleSettings(),  # noqa: B008 - frozen, never mutated
+        skip_unchanged: bool = True,
     ) -> None:
         grace = 2 * timing.ttl_s if orphan_grace_s is None else orphan_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
@@ -206,6 +220,11 @@ class Coordinator:
         self._cache = DecodeCache()
         self.autoscaler = Autoscaler(autoscale) if autoscale is not None else None
         self._published_signal: AutoscaleSignal | None = None
+        self.skip_unchanged = skip_unchanged
+        # The last scheduled cycle, when all its decisions were applied: (inputs, valid_until).
+        self._scheduled: tuple[tuple[int, int, int], float] | None = None
+        # Per key: whether the scheduler's snapshot is built from it (keys never change shape).
+        self._input_keys: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -343,8 +362,29 @@ class Coordinator:
 
     def read_state(self, term: int = 0) -> PoolState:
         """Read the whole pool prefix at one revision and parse it."""
+        return self._read(term)[0]
+
+    def _read(self, term: int) -> tuple[PoolState, tuple[int, int, int]]:
+        """The state, and what identifies the scheduler's input but for the clock: (term, number
+        of input keys, their largest mod revision). Revisions only grow, so any put of an input
+        key raises the largest and any delete alone lowers the count: equal means unchanged."""
         kvs, revision = self.store.get_prefix(self.keys.root())
-        return build_state(kvs, self.keys, time.time(), revision, term, cache=self._cache)
+        state = build_state(kvs, self.keys, time.time(), revision, term, cache=self._cache)
+        known = self._input_keys
+        if len(known) > 2 * len(kvs) + 1024:
+            known.clear()  # forget keys long gone
+        count = top = 0
+        for kv in kvs:
+            used = known.get(kv.key)
+            if used is None:
+                parsed = self.keys.parse(kv.key)
+                # Usage records and the ignored kinds are not read by the scheduler's snapshot.
+                used = parsed is None or (parsed.kind not in _IGNORED_KINDS and parsed.kind != "usage")
+                known[kv.key] = used
+            if used:
+                count += 1
+                top = max(top, kv.mod_revision)
+        return state, (term, count, top)
 
     def run_cycle(self) -> CycleReport | None:
         """One scheduling cycle if this replica leads; None otherwise."""
@@ -364,10 +404,26 @@ class Coordinator:
             if fence is None:
                 return None
             t0 = time.monotonic()
-            state = self.read_state(fence.term)
-            result = self.scheduler.schedule(state.snapshot)
-            decisions: Sequence[st.Decision] = getattr(result, "decisions", result)
-            report: ApplyReport = self.applier.apply(decisions, state)
+            state, inputs = self._read(fence.term)
+            last = self._scheduled
+            skip = (
+                self.skip_unchanged
+                and last is not None
+                and last[0] == inputs
+                and state.snapshot.now < last[1]
+            )
+            decisions: Sequence[st.Decision] = ()
+            report = ApplyReport()
+            if not skip:
+                self._scheduled = None
+                run = getattr(self.scheduler, "run", None) if self.skip_unchanged else None
+                result = run(state.snapshot) if run is not None else self.scheduler.schedule(state.snapshot)
+                decisions = getattr(result, "decisions", result)
+                report = self.applier.apply(decisions, state)
+                valid_until = getattr(result, "valid_until", None)
+                if valid_until is not None and not report.lost and not report.too_large:
+                    # Every decision was applied: a cycle before valid_until on the same input repeats them.
+                    self._scheduled = (inputs, valid_until)
             self._last_state = state
             # After the writes, so accounting and garbage collection never delay a grant.
             self._account(state)
@@ -391,8 +447,10 @@ class Coordinator:
                 granted_jobs=tuple(report.granted_jobs),
                 snapshot=state.snapshot,
                 autoscale=signal,
+                skipped=skip,
             )
             self.stats.cycles += 1
+            self.stats.skipped += skip
             self.stats.decisions += len(decisions)
             self.stats.last_cycle_s = cycle.duration_s
             if self.on_cycle is not None:

@@ -1,0 +1,121 @@
+"""The coordinator skips cycles in which nothing but the clock changed, before ``valid_until`` (real etcd)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+from testkit import publish_gpus
+
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.coordinator import Coordinator, CycleReport
+from gpupool_sdk.inventory.simulated import parse_cluster_spec
+from gpupool_sdk.resources import JobSpec
+from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
+from gpupool_sdk.scheduler.policy import Scheduler
+from gpupool_sdk.scheduler.types import ClusterSnapshot, Queue, SchedulerConfig, ScheduleResult
+from gpupool_sdk.store import EtcdStore
+
+TIMING = LeaseTiming(ttl_s=5, keepalive_interval_s=0.5, retry_timeout_s=1.0)
+
+
+class CountingScheduler(Scheduler):
+    """The real policy, counting its runs."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.runs = 0
+
+    def run(self, snapshot: ClusterSnapshot) -> ScheduleResult:
+        self.runs += 1
+        return super().run(snapshot)
+
+
+def _coordinator(store: EtcdStore, config: SchedulerConfig, skip: bool = True) -> tuple[Coordinator, CountingScheduler]:
+    sched = CountingScheduler(replace(config, etcd_max_txn_ops=128))
+    coord = Coordinator(store, config, TIMING, "skip-test", loop_wait_s=0.5, scheduler=sched, skip_unchanged=skip,
+                        autoscale=None)
+    assert coord.election.step(), "the only replica leads"
+    return coord, sched
+
+
+@pytest.fixture
+def two_jobs(store: EtcdStore) -> Iterator[int]:
+    """One A100-40GB; job a (30 GiB) fits, job b (30 GiB, same priority and LAS queue) waits."""
+    publish_gpus(store, parse_cluster_spec("node-a:1xA100-40GB:pcie"))
+    lease = store.grant_lease(60)
+    store.create(store.keys.job_spec("a"), JobSpec(name="a", gpus=1, memory="30GiB"), lease=lease)
+    store.create(store.keys.job_spec("b"), JobSpec(name="b", gpus=1, memory="30GiB"), lease=lease)
+    yield lease
+    store.revoke_lease(lease)
+
+
+def _cycle(coord: Coordinator) -> CycleReport:
+    report = coord.run_cycle()
+    assert report is not None
+    return report
+
+
+def test_unchanged_input_skips_the_scheduler_and_decides_the_same(store: EtcdStore, two_jobs: int) -> None:
+    coord, sched = _coordinator(store, DEFAULT_SCHEDULER)
+    try:
+        first = _cycle(coord)  # grants a, queues b: writes
+        assert not first.skipped and first.applied.get("Grant") == 1
+        second = _cycle(coord)  # reads its own writes: a new input, scheduled again
+        assert not second.skipped
+        assert [type(d) for d in second.decided] == [Queue] and second.applied == {}
+        runs = sched.runs
+        later = [_cycle(coord) for _ in range(3)]
+        # Nothing changed but the clock, well before b's reserve_after_s or a's LAS crossing.
+        assert all(r.skipped and r.decisions == 0 and not r.applied for r in later)
+        assert sched.runs == runs and coord.stats.skipped == 3
+        # Exact: a fresh scheduler on the current state decides what the last scheduled cycle did.
+        state = coord.read_state(coord.term)
+        fresh = Scheduler(replace(DEFAULT_SCHEDULER, etcd_max_txn_ops=128)).run(state.snapshot)
+        assert fresh.decisions == second.decided
+        assert state.snapshot.now < fresh.valid_until
+
+        # Any write to the scheduler's input (a new job) runs the next cycle.
+        store.create(store.keys.job_spec("c"), JobSpec(name="c", gpus=1, memory="4GiB"), lease=two_jobs)
+        third = _cycle(coord)
+        assert not third.skipped and sched.runs == runs + 1
+        assert "c" in {d.job for d in third.decided}
+    finally:
+        coord.election.resign()
+
+
+def test_valid_until_passing_runs_the_cycle(store: EtcdStore, two_jobs: int) -> None:
+    # b reaches reserve_after_s (1 s) of waiting: its reservation is a new decision.
+    coord, sched = _coordinator(store, replace(DEFAULT_SCHEDULER, reserve_after_s=1.0))
+    try:
+        _cycle(coord)
+        second = _cycle(coord)
+        assert not second.skipped
+        assert "reserved" not in second.decided[0].reason  # type: ignore[attr-defined]
+        assert _cycle(coord).skipped
+        time.sleep(1.1)
+        after = _cycle(coord)
+        assert not after.skipped
+        assert "reserved for it" in after.decided[0].reason  # type: ignore[attr-defined]
+    finally:
+        coord.election.resign()
+
+
+@pytest.mark.parametrize(
+    "config, skip",
+    [
+        (SchedulerConfig(), True),  # aging on (60 s per point): the order moves with time, valid_until = now
+        (DEFAULT_SCHEDULER, False),  # skipping off
+    ],
+    ids=["time-dependent-order", "skip-off"],
+)
+def test_no_skip_when_time_orders_or_when_off(store: EtcdStore, two_jobs: int, config: SchedulerConfig, skip: bool) -> None:
+    coord, sched = _coordinator(store, config, skip=skip)
+    try:
+        reports = [_cycle(coord) for _ in range(4)]
+        assert not any(r.skipped for r in reports)
+        assert sched.runs == 4 and coord.stats.skipped == 0
+    finally:
+        coord.election.resign()
