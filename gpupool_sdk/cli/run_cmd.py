@@ -340,6 +340,11 @@ def run_job(
                 say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script ended with {describe_exit(rc)} "
                     "without a checkpoint")
                 return shell_code(rc) or 1
+            if rc not in (0, EX_TEMPFAIL) and server.resize_acked.is_set() and not lost:
+                # The script acked a resize and checkpointed, then its launcher (torchrun, whose
+                # agent reports a worker's 75 as a failure) exited non-zero: a resize all the same.
+                say(f"the command ended with {describe_exit(rc)} after the script acked a resize")
+                rc = EX_TEMPFAIL
             if rc == EX_TEMPFAIL and not lost and server.resize_acked.is_set():
                 # An elastic resize: the coordinator re-places the job under this same lease;
                 # wait for that grant and run the script again on it (no release, no queueing).
