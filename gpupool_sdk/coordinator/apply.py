@@ -160,6 +160,12 @@ def resume_record(state: PoolState, job: str, preempted: bool) -> ResumeRecord:
     instant, so it keeps the credit it earned by waiting (plus the time it was out of the pool)
     but gets none for its own run time: with credit for run time, a preempted job would come
     back with a huge effective priority and preempt straight back.
+
+    **Decision (remaining-time estimate):** a preempted job's last ``remaining_s`` is kept too.
+    Its telemetry key goes with its lease and a queued job publishes nothing, so without it the
+    job would be ranked by attained service while it waits and by remaining service once it runs:
+    two such jobs preempt each other back and forth (measured by ``benchmarks/live_miniature.py``,
+    ``docs/simulation.md`` section 8). The simulator keeps a waiting job's last estimate the same way.
     """
     view = state.snapshot.jobs[job]
     meta = state.jobs[job]
@@ -176,6 +182,9 @@ def resume_record(state: PoolState, job: str, preempted: bool) -> ResumeRecord:
         preemptions=old_pre + (1 if preempted else 0),
         first_queued_at=first_queued,
         attained_gpu_s=view.attained_gpu_s,
+        # A preempted job comes back: it is ranked by its last estimate while it waits (the
+        # snapshot falls back to it until the job publishes again). A job that ended has none.
+        remaining_s=view.remaining_s if preempted else None,
     )
 
 

@@ -500,7 +500,10 @@ def build_state(
             memory_peak_bytes=_peak_from_telemetry(telemetry.get(name)),
             memory_peak_history=_peak_history_from_telemetry(telemetry.get(name)),
             order=kv.create_revision,
-            remaining_s=_remaining_from_telemetry(telemetry.get(name)),
+            # A job queued again after a preemption has no telemetry until it runs: its last
+            # estimate, kept in checkpoints/{job}, ranks it meanwhile (apply.resume_record).
+            remaining_s=_remaining_from_telemetry(telemetry.get(name))
+            if name in telemetry or resume is None else resume.remaining_s,
             # A member that joined after the grant is a restarted process, not the one the gang was
             # granted with: it does not count until the gang was released and granted again.
             members=tuple(sorted(

@@ -19,6 +19,11 @@ from gpupool_sdk.resources import Checkpoint
 from gpupool_sdk.resources._fields import opt, req
 
 
+def _estimate(value: float | None) -> float | None:
+    # A remaining-time estimate below zero (hand-edited) reads as none, like telemetry's.
+    return value if value is not None and value >= 0 else None
+
+
 @dataclass(frozen=True)
 class ResumeRecord:
     """The value of ``checkpoints/{job}``: kept across restarts of a job of the same name.
@@ -29,6 +34,12 @@ class ResumeRecord:
         preemptions: how many times the job was preempted in its life.
         first_queued_at: wall-clock time the job was first queued (keeps its aging credit).
         attained_gpu_s: GPU-seconds of service received so far.
+        remaining_s: the remaining-time estimate the job last published (telemetry ``remaining_s``)
+            before it was preempted, None when it published none. The job's telemetry key goes
+            with its lease, and a queued job publishes nothing, so the snapshot ranks a job queued
+            again by this value until it publishes a new one (without it, a preempted job would
+            be ranked by attained service while it waits and by remaining service once it runs,
+            and two such jobs preempt each other back and forth).
     """
 
     job: str
@@ -36,6 +47,7 @@ class ResumeRecord:
     preemptions: int = 0
     first_queued_at: float = 0.0
     attained_gpu_s: float = 0.0
+    remaining_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +56,7 @@ class ResumeRecord:
             "preemptions": self.preemptions,
             "first_queued_at": self.first_queued_at,
             "attained_gpu_s": self.attained_gpu_s,
+            "remaining_s": self.remaining_s,
         }
 
     @classmethod
@@ -56,6 +69,7 @@ class ResumeRecord:
             preemptions=opt(d, "preemptions", int, where, 0),
             first_queued_at=opt(d, "first_queued_at", float, where, 0.0),
             attained_gpu_s=opt(d, "attained_gpu_s", float, where, 0.0),
+            remaining_s=_estimate(opt(d, "remaining_s", float, where, None)),
         )
 
 
