@@ -28,8 +28,8 @@ Every pending job gets exactly one Grant, Queue or Reject per cycle.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 
 from gpupool_sdk.resources import DirectiveKind, JobSpec, JobState, QoS
 from gpupool_sdk.resources.units import format_size
@@ -226,8 +226,8 @@ class Scheduler:
         self._memo = _BuildMemo()
         #: per pending job, what depends only on its view and the GPU layout (a memo of pure functions,
         #: reused while the job's spec is the same object and its peak and count are unchanged):
-        #: (spec, peak, count, request, reject or etcd-limit reason).
-        self._pend: dict[str, tuple[JobSpec, tuple[int | None, tuple[int, ...]], int, SliceRequest, str | None]] = {}
+        #: (spec, peak, count, request, reject or etcd-limit reason, count is the spec's own).
+        self._pend: dict[str, tuple[JobSpec, tuple[int | None, tuple[int, ...]], int, SliceRequest, str | None, bool]] = {}
         self._pend_layout: GpuLayout | None = None
         #: per pending job without allocations, its sort key while the order does not move with time:
         #: (spec, attained, remaining, order, key).
@@ -306,16 +306,22 @@ class Scheduler:
         reject_cache: dict[tuple[object, ...], str | None] = {}
         live: list[tuple[JobView, SliceRequest]] = []
         old_pend = self._pend if self._pend_layout is layout else {}
-        new_pend: dict[str, tuple[JobSpec, tuple[int | None, tuple[int, ...]], int, SliceRequest, str | None]] = {}
+        new_pend: dict[str, tuple[JobSpec, tuple[int | None, tuple[int, ...]], int, SliceRequest, str | None, bool]] = {}
+        max_ops = config.etcd_max_txn_ops
         for view, count in pending:
             spec = view.spec
-            if count is None:
-                count = min(spec.gpus, slice_cap(spec, config.etcd_max_txn_ops))
-            gang_wait = gang_problem(view)
-            if gang_wait is not None:
-                self._queue(cyc, view, f"queued: {gang_wait}")
-                continue
-            hit = old_pend.get(view.name)
+            name = view.name
+            if spec.is_gang:
+                gang_wait = gang_problem(view)
+                if gang_wait is not None:
+                    self._queue(cyc, view, f"queued: {gang_wait}")
+                    continue
+            hit = old_pend.get(name)
+            own = count is None
+            if hit is not None and hit[0] is spec and own and hit[5]:
+                count = hit[2]  # the spec's own count: a function of the spec
+            elif count is None:
+                count = min(spec.gpus, slice_cap(spec, max_ops))
             peaks = (view.memory_peak_bytes, view.memory_peak_history)
             if hit is not None and hit[0] is spec and hit[1] == peaks and hit[2] == count:
                 req, why = hit[3], hit[4]
@@ -324,24 +330,22 @@ class Scheduler:
                 key = req.shape
                 if key not in reject_cache:
                     reject_cache[key] = reject_reason(req, pool, config.overcommit_ratio)
-                why = reject_cache[key] or txn_limit_reason(spec, config.etcd_max_txn_ops)
+                why = reject_cache[key] or txn_limit_reason(spec, max_ops)
             if not spec.is_gang:  # a gang's request depends on its members too
-                new_pend[view.name] = (spec, peaks, count, req, why)
+                new_pend[name] = (spec, peaks, count, req, why, own)
             if why is not None:
-                cyc.decisions.append(Reject(view.name, f"impossible: {why}"))
+                cyc.decisions.append(Reject(name, f"impossible: {why}"))
             else:
                 live.append((view, req))
         self._pend, self._pend_layout = new_pend, layout
 
-        by_name = {v.name: (v, r) for v, r in live}
-        ordered = self._order((v for v, _ in live), now)
+        ordered = self._order(live, now)
         considered = 0
-        for view in ordered:
-            req = by_name[view.name][1]
-            if cyc.actions >= config.max_decisions:
-                cyc.decisions.append(
-                    Queue(view.name, f"queued: not considered this cycle (max_decisions={config.max_decisions} reached)")
-                )
+        max_decisions = config.max_decisions
+        cut = f"queued: not considered this cycle (max_decisions={max_decisions} reached)"
+        for view, req in ordered:
+            if cyc.actions >= max_decisions:
+                cyc.decisions.append(Queue(view.name, cut))
                 cyc.queued += 1
                 cyc.deferred += 1
                 continue
@@ -443,36 +447,33 @@ class Scheduler:
                 cyc.until = min(cyc.until, now + config.reserve_after_s - waited)
         self._queue(cyc, view, reason)
 
-    def _order(self, views: Iterable[JobView], now: float) -> list[JobView]:
-        """:func:`order_pending`, with each pending job's key kept from cycle to cycle while the order
-        does not move with time and the job's spec, attained and remaining service are unchanged."""
+    def _order(self, live: list[tuple[JobView, SliceRequest]], now: float) -> list[tuple[JobView, SliceRequest]]:
+        """``live`` (pending jobs with their requests) in the order of :func:`order_pending`, with
+        each pending job's key kept from cycle to cycle while the order does not move with time and
+        the job's spec, attained and remaining service are unchanged."""
         config = self.config
         if time_dependent_order(config):
             self._keys = {}
-            return order_pending(views, now, config)
+            reqs = {v.name: r for v, r in live}
+            return [(v, reqs[v.name]) for v in order_pending((v for v, _ in live), now, config)]
         old = self._keys
         new: dict[str, tuple[JobSpec, float, float | None, int, tuple[object, ...]]] = {}
-        keyed: list[tuple[tuple[object, ...], JobView]] = []
-        for v in views:
+        keyed: list[tuple[tuple[object, ...], JobView, SliceRequest]] = []
+        for v, r in live:
             if v.allocations:  # a resized job re-placed: its rank uses the compute it holds
-                keyed.append((sort_key(v, now, config), v))
+                keyed.append((sort_key(v, now, config), v, r))
                 continue
-            hit = old.get(v.name)
-            if (
-                hit is not None
-                and hit[0] is v.spec
-                and hit[1] == v.attained_gpu_s
-                and hit[2] == v.remaining_s
-                and hit[3] == v.order
-            ):
+            spec, attained, remaining, order = v.spec, v.attained_gpu_s, v.remaining_s, v.order
+            hit = old.get(spec.name)
+            if hit is not None and hit[0] is spec and hit[1] == attained and hit[2] == remaining and hit[3] == order:
                 key = hit[4]
             else:
                 key = sort_key(v, now, config)
-            new[v.name] = (v.spec, v.attained_gpu_s, v.remaining_s, v.order, key)
-            keyed.append((key, v))
+            new[spec.name] = (spec, attained, remaining, order, key)
+            keyed.append((key, v, r))
         self._keys = new
-        keyed.sort(key=lambda kv: kv[0])
-        return [v for _, v in keyed]
+        keyed.sort(key=itemgetter(0))
+        return [(v, r) for _, v, r in keyed]
 
     def _pinned(self, cyc: _Cycle, req: SliceRequest, keep: list[int]) -> list[int] | None:
         """The GPUs a shrunk job kept, when each still takes a slice of ``req`` (else None: it is
