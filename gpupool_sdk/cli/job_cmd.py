@@ -1,8 +1,8 @@
 """``gpupool job list|describe|cancel|forget``: one job at a time, in the manner of ``kubectl get/describe/delete``.
 
 * ``list``: live jobs (``--all``: also finished ones that left usage or a checkpoint record).
-* ``describe JOB``: spec, status and why, slices, directive, last ack, telemetry, usage, the
-  resume record and the job's etcd lease.
+* ``describe JOB``: spec, status and why, slices, a gang's members (node rank, node, slices),
+  directive, last ack, telemetry, usage, the resume record and the job's etcd lease.
 * ``cancel JOB``: revoke the job's etcd lease. Its spec, status, slices and directive vanish at
   once (the coordinator's next cycle gives the slices to others); the training process sees its
   lease lost, fences itself and exits (``gpupool run`` exits 75 so a scheduler may requeue).
@@ -75,7 +75,7 @@ def job_rows(state: PoolState, include_finished: bool = False) -> list[dict[str,
             "name": j["name"], "state": j["state"], "reason": j["reason"], "qos": j["qos"], "priority": j["priority"],
             "gpus": j["gpus"], "memory_bytes": j["memory_bytes"], "owner": j["owner"], "lease": j["lease"],
             "term": j["term"], "preemptions": j["preemptions"], "queued_at": j["queued_at"],
-            "granted_at": j["granted_at"], "allocations": j["allocations"],
+            "granted_at": j["granted_at"], "allocations": j["allocations"], "nodes": j["nodes"],
         })
     if include_finished:
         live = {r["name"] for r in rows}
@@ -87,7 +87,7 @@ def job_rows(state: PoolState, include_finished: bool = False) -> list[dict[str,
                 "qos": usage.get("qos", ""), "priority": None, "gpus": 0, "memory_bytes": 0,
                 "owner": usage.get("owner", ""), "lease": None, "term": 0,
                 "preemptions": resume.preemptions if resume is not None else 0, "queued_at": None,
-                "granted_at": None, "allocations": [], "last_seen": usage.get("last_seen"),
+                "granted_at": None, "allocations": [], "nodes": None, "last_seen": usage.get("last_seen"),
             })
     return rows
 
@@ -124,7 +124,7 @@ def describe_doc(store: EtcdStore, state: PoolState, name: str) -> dict[str, Any
         row = next(j for j in status_dict(state)["jobs"] if j["name"] == name)
         doc.update(state=row["state"], reason=row["reason"], spec=view.spec.to_dict(),
                    status=meta.status.to_dict() if meta.status else None, allocations=row["allocations"],
-                   directive=row["directive"], ack=view.ack.to_dict() if view.ack else None,
+                   directive=row["directive"], members=row["members"], ack=view.ack.to_dict() if view.ack else None,
                    telemetry=dict(meta.telemetry) if meta.telemetry else None)
         info = store.lease_info(meta.lease) if meta.lease else None
         doc["lease"] = {
@@ -148,10 +148,16 @@ def _describe_lines(doc: dict[str, Any]) -> list[str]:
         out += [
             f"Owner:        {spec.get('owner') or '-'}",
             f"QoS:          {spec.get('qos')}   priority {spec.get('priority')}",
-            f"Node:         {spec.get('node') or 'any'}",
-            f"Wants:        {spec.get('gpus')} GPU(s)" + (f", {format_size(mem)} each" if isinstance(mem, int) and mem else "")
-            + (f", model {spec['gpu_model']}" if spec.get("gpu_model") else ""),
         ]
+        nodes = spec.get("nodes") or 1
+        if nodes > 1:
+            out.append(f"Nodes:        {nodes} (a multi-node gang: each node's member leases that node's part)")
+            wants = f"{spec.get('gpus')} GPU(s), {spec.get('gpus', 0) // nodes} per node"
+        else:
+            out.append(f"Node:         {spec.get('node') or 'any'}")
+            wants = f"{spec.get('gpus')} GPU(s)"
+        out.append(f"Wants:        {wants}" + (f", {format_size(mem)} each" if isinstance(mem, int) and mem else "")
+                   + (f", model {spec['gpu_model']}" if spec.get("gpu_model") else ""))
     lease = doc.get("lease")
     if lease:
         ttl = lease["ttl_remaining_s"]
@@ -164,6 +170,16 @@ def _describe_lines(doc: dict[str, Any]) -> list[str]:
     out.append("Slices:       " + (", ".join(
         f"{a['node']}/{a['gpu_index']} ({a['gpu_uuid']}, {format_size(a['memory_bytes'])}, share {a['compute_share']:g})"
         for a in allocs) or "none"))
+    members = doc.get("members") or []
+    for i, m in enumerate(members):
+        label = "Members:      " if i == 0 else "              "
+        if not m["joined"]:
+            out.append(f"{label}node rank {m['node_rank']}: not joined")
+            continue
+        where = ", ".join(x for x in (m.get("hostname"), f"pid {m['pid']}" if m.get("pid") else None) if x)
+        slices = ", ".join(f"{m['node']}/{x['gpu_index']}" for x in m["slices"]) or "no slices"
+        out.append(f"{label}node rank {m['node_rank']}: {m['node']}" + (f" ({where})" if where else "")
+                   + f": {slices}" + (f"; acked seq {m['acked_seq']}" if m.get("acked_seq") else ""))
     d = doc.get("directive")
     if d:
         out.append(f"Directive:    {d.get('kind')} seq {d.get('seq')}" + (f": {d['reason']}" if d.get("reason") else ""))

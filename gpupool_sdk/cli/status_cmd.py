@@ -32,6 +32,7 @@ from gpupool_sdk.cli.output import (
 )
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.resources import GpuInfo, JobState, format_size
+from gpupool_sdk.scheduler.types import JobView
 from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
 
@@ -100,6 +101,35 @@ def sharing_mechanism(gpu: GpuInfo, holders: Sequence[str], gated: Collection[st
     if len(set(holders) & set(gated)) >= 2:
         return "timeslice"
     return "none"
+
+
+def gang_members(view: JobView) -> list[dict[str, Any]]:
+    """The members of a multi-node gang, one per node rank, with the slices each holds ([] for other jobs).
+
+    A member is the process that leases one node's part (``jobs/{job}/members/{node}``); the
+    list shows the members the coordinator counts (a process that restarted after the grant
+    counts again once the gang was granted anew). A node rank no member has joined yet is listed
+    with ``joined: False`` and no node.
+    """
+    if not view.spec.is_gang:
+        return []
+    by_rank = {m.node_rank: m for m in view.members}
+    out: list[dict[str, Any]] = []
+    for rank in range(view.spec.nodes):
+        m = by_rank.get(rank)
+        if m is None:
+            out.append({"node_rank": rank, "joined": False, "node": None, "hostname": None, "pid": None,
+                        "joined_at": None, "acked_seq": 0, "slices": []})
+            continue
+        slices = [
+            {"gpu_uuid": a.gpu_uuid, "gpu_index": a.gpu_index, "memory_bytes": a.memory_bytes,
+             "compute_share": a.compute_share}
+            for a in sorted(view.allocations, key=lambda a: (a.gpu_index, a.gpu_uuid))
+            if a.node == m.node
+        ]
+        out.append({"node_rank": rank, "joined": True, "node": m.node, "hostname": m.hostname or None,
+                    "pid": m.pid or None, "joined_at": m.joined_at or None, "acked_seq": m.acked_seq, "slices": slices})
+    return out
 
 
 def status_dict(state: PoolState) -> dict[str, Any]:
@@ -173,6 +203,8 @@ def status_dict(state: PoolState) -> dict[str, Any]:
                     for a in v.allocations
                 ],
                 "directive": v.directive.to_dict() if v.directive else None,
+                "nodes": v.spec.nodes,
+                "members": gang_members(v),
             }
         )
     queue = [
@@ -200,6 +232,14 @@ def status_dict(state: PoolState) -> dict[str, Any]:
         # Jobs that left: how they ended (a FAILED run under `gpupool run`, kept for its retention).
         "results": [r.to_dict() for r in sorted(state.results.values(), key=lambda r: -r.finished_at)],
     }
+
+
+def _slices(job: dict[str, Any]) -> str:
+    """What a job asks for: ``2x20.0GiB``, ``1xwhole``; a gang ``2 nodes x 4x20.0GiB``."""
+    mem = "whole" if job["memory_bytes"] == 0 else format_size(job["memory_bytes"])
+    if job["nodes"] > 1:
+        return f"{job['nodes']} nodes x {job['gpus'] // job['nodes']}x{mem}"
+    return f"{job['gpus']}x{mem}"
 
 
 def sections(state: PoolState, endpoint: str) -> list[TableSpec | str]:
@@ -248,13 +288,27 @@ def sections(state: PoolState, endpoint: str) -> list[TableSpec | str]:
         "Jobs", wide=frozenset({"OWNER", "LEASE", "TERM", "PREEMPTIONS"}),
     )
     for j in d["jobs"]:
-        mem = "whole" if j["memory_bytes"] == 0 else format_size(j["memory_bytes"])
         allocs = " ".join(f"{a['node']}/{a['gpu_index']}" for a in j["allocations"]) or "-"
         jobs.rows.append([
-            j["name"], j["state"], str(j["priority"]), j["qos"], f"{j['gpus']}x{mem}", allocs, j["owner"] or "-",
+            j["name"], j["state"], str(j["priority"]), j["qos"], _slices(j), allocs, j["owner"] or "-",
             j["lease"], str(j["term"]), str(j["preemptions"]), j["reason"],
         ])
     parts.append(jobs if d["jobs"] else "no jobs")
+
+    gangs = [j for j in d["jobs"] if j["members"]]
+    if gangs:
+        g = TableSpec(["JOB", "RANK", "MEMBER", "NODE", "SLICES", "HOST", "PID", "ACKED SEQ"], [], "Gang members",
+                      wide=frozenset({"HOST", "PID", "ACKED SEQ"}))
+        for j in gangs:
+            for m in j["members"]:
+                rank = f"{m['node_rank']}/{j['nodes']}"
+                if not m["joined"]:
+                    g.rows.append([j["name"], rank, "missing", "-", "-", "-", "-", "-"])
+                    continue
+                slices = " ".join(f"{m['node']}/{s['gpu_index']}" for s in m["slices"]) or "-"
+                g.rows.append([j["name"], rank, "joined", m["node"], slices, m["hostname"] or "-", str(m["pid"] or "-"),
+                               str(m["acked_seq"])])
+        parts.append(g)
 
     if d["queue"]:
         q = TableSpec(["#", "JOB", "PRIO", "WAITING", "REASON"], [], "Queue")

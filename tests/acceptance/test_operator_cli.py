@@ -53,6 +53,25 @@ def test_status_piped_through_cat_has_no_box_drawing(granted: Pool) -> None:
     assert "cli-waiting" in r.stdout and "OWNER" not in header
 
 
+@pytest.mark.parametrize("argv", [["top"], ["metrics", "report"], ["job", "list"]])
+def test_other_tables_piped_through_cat_are_plain_aligned_columns(granted: Pool, argv: list[str]) -> None:
+    """``top``, ``metrics report`` and ``job list`` print through the same table code as ``status``."""
+    cmd = " ".join([sys.executable, "-m", "gpupool_sdk.cli.main", *argv, *_opts(granted), "|", "cat"])
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True, cwd=ROOT, timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert not BOX_DRAWING.search(r.stdout) and "\x1b[" not in r.stdout, r.stdout
+    header = next(line for line in r.stdout.splitlines() if line.startswith("JOB "))
+    row = next(line for line in r.stdout.splitlines() if line.startswith("cli-bert "))
+    assert re.match(r"JOB\s{3,}\S", header), header
+    second = header.split()[1]  # the second column starts at the same offset in the header and the row
+    assert row[header.index(second):].split()[0] == row.split()[1], (header, row)
+    bare = subprocess.run(cmd.replace(" | cat", " --no-headers | cat"), shell=True, capture_output=True, text=True,
+                          cwd=ROOT, timeout=90)
+    assert bare.returncode == 0, bare.stderr
+    assert not any(line.startswith("JOB ") for line in bare.stdout.splitlines()), bare.stdout
+    assert any(line.startswith("cli-bert ") for line in bare.stdout.splitlines())
+
+
 def test_status_wide_and_no_headers(granted: Pool) -> None:
     wide = gpupool("status", "-o", "wide", *_opts(granted))
     assert wide.returncode == 0, explain(wide)
