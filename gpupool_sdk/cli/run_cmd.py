@@ -259,6 +259,7 @@ def run_job(
     """
     from gpupool_sdk.client import PoolClient
     from gpupool_sdk.runtime.run_channel import RunChannelServer
+    from gpupool_sdk.runtime.sharing import launcher_environment
 
     say = echo or (lambda msg: click.echo(f"[gpupool run] {msg}", err=True))
     client = PoolClient(endpoints=endpoints, prefix=prefix, security=security)
@@ -308,6 +309,8 @@ def run_job(
                         DEVICES_ENV: str(len(devices) or spec.gpus), LEASE_ID_ENV: lease.etcd_lease_hex})
             if devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            # MPS limits (CUDA reads them once, at its start) and the time-slicing plan: docs/sharing.md.
+            env.update(launcher_environment(lease, client))
             if endpoints:
                 env["GPUPOOL_ENDPOINTS"] = endpoints
             if prefix:

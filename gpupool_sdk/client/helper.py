@@ -50,7 +50,7 @@ from gpupool_sdk.errors import (
     SpecError,
     StoreUnavailableError,
 )
-from gpupool_sdk.resources import Allocation, Directive, JobSpec, JobState, JobStatus
+from gpupool_sdk.resources import Allocation, Directive, GpuInfo, JobSpec, JobState, JobStatus
 from gpupool_sdk.store.codec import decode, decode_dict, encode
 from gpupool_sdk.store.etcd_store import EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
@@ -230,6 +230,8 @@ class Helper:
                 self.reply(req_id, True)
             elif op == "resume_info":
                 self.reply(req_id, self.resume_info(msg["job"]))
+            elif op == "gpus":
+                self.reply(req_id, self.list_gpus(msg.get("node")))
             elif op == "telemetry":
                 self.write_telemetry(msg["job"], msg["record"])
             elif op in ("member", "nodes"):
@@ -618,6 +620,17 @@ class Helper:
             log.warning("ignoring malformed resume record: %s", exc)
             return None
         return got[0] if got else None
+
+    def list_gpus(self, node: str | None) -> list[GpuInfo]:
+        """The published GPU records of ``node`` (every node when None); malformed ones skipped."""
+        out: list[GpuInfo] = []
+        kvs, _ = self.store.get_prefix(self.keys.gpus_prefix(node))
+        for kv in kvs:
+            try:
+                out.append(decode(kv.key, kv.value, GpuInfo))
+            except SchemaError as exc:
+                log.warning("ignoring malformed GPU record: %s", exc)
+        return out
 
     def release(self, job: str) -> None:
         gang_member.end_member(self, job)

@@ -32,7 +32,7 @@ from gpupool_sdk.client.protocol import HelperDiedError, unpack_error
 from gpupool_sdk.client.waiting import WaitReporter
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import ConfigError, GpupoolError
-from gpupool_sdk.resources import Checkpoint, JobSpec, JobStatus
+from gpupool_sdk.resources import Checkpoint, GpuInfo, JobSpec, JobStatus
 from gpupool_sdk.store.endpoints import parse_endpoints
 from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.records import TelemetryRecord
@@ -606,6 +606,13 @@ class PoolClient:
         """The last checkpoint the pool recorded for ``job`` (``checkpoints/{job}``), or None."""
         record = self._request({"op": "resume_info", "job": job})
         return record.last_checkpoint if record is not None else None
+
+    def gpus(self, node: str | None = None) -> list[GpuInfo]:
+        """The GPU records agents publish (``gpus/{node}/``), of ``node`` or of every node.
+
+        The training-side integration reads its granted GPUs' ``mps_pipe_dir`` here (sharing).
+        """
+        return list(self._request({"op": "gpus", "node": node}))
 
     def resume_record(self, job: str) -> Any:
         """The whole :class:`~gpupool_sdk.store.records.ResumeRecord` of ``job``, or None."""

@@ -200,6 +200,9 @@ class GateState:
         seq: the turn's sequence number.
         quantum_s: this job's quantum when it holds the turn.
         members: number of gated jobs sharing the GPU.
+        fits: whether the memory quotas of every job holding a slice of the GPU fit its memory
+            together (None: the GPU's record is not readable). When they do not, the job handing
+            the GPU over should move its state out of the way (the integration's offload).
     """
 
     alone: bool = True
@@ -207,6 +210,7 @@ class GateState:
     seq: int = 0
     quantum_s: float = 0.0
     members: int = 0
+    fits: bool | None = None
 
 
 class TimeSliceGate:
@@ -224,6 +228,9 @@ class TimeSliceGate:
             controller when the sharers' memory does not fit together.
         on_resume: called when the turn comes back, before the next step (restore what
             ``on_pause`` moved).
+        on_contention: called with True when another gated job starts sharing the GPU and with
+            False when the job is alone again (or the keeper is gone), from the gate's reader
+            thread: it lets the caller keep a flag its own fast path reads (it must be cheap).
 
     Attributes:
         held_s: seconds this job held the turn (quanta used, up to the last boundary).
@@ -238,12 +245,14 @@ class TimeSliceGate:
         proc: subprocess.Popen[bytes] | None = None,
         on_pause: Callable[[], None] | None = None,
         on_resume: Callable[[], None] | None = None,
+        on_contention: Callable[[bool], None] | None = None,
     ) -> None:
         self.job = job
         self._conn = conn
         self._proc = proc
         self.on_pause = on_pause
         self.on_resume = on_resume
+        self.on_contention = on_contention
         self._cond = threading.Condition()
         self._state = GateState()
         self._alone = True  # read without the lock on the fast path
@@ -275,6 +284,7 @@ class TimeSliceGate:
         start_timeout_s: float = 60.0,
         on_pause: Callable[[], None] | None = None,
         on_resume: Callable[[], None] | None = None,
+        on_contention: Callable[[bool], None] | None = None,
     ) -> TimeSliceGate:
         """Start the keeper process for one GPU of this job and return the gate.
 
@@ -290,6 +300,7 @@ class TimeSliceGate:
             start_timeout_s: how long to wait for the keeper to connect.
             on_pause: see the class (called when handing the GPU over).
             on_resume: see the class (called when the turn comes back).
+            on_contention: see the class (called when another gated job starts or stops sharing).
 
         Raises:
             GpupoolError: the keeper could not start or reach etcd.
@@ -333,7 +344,7 @@ class TimeSliceGate:
         if hello.get("op") == "error":
             proc.wait()
             raise GpupoolError(f"the time-slicing keeper could not start: {hello.get('message')}")
-        return cls(job, ours, proc, on_pause=on_pause, on_resume=on_resume)
+        return cls(job, ours, proc, on_pause=on_pause, on_resume=on_resume, on_contention=on_contention)
 
     def close(self) -> None:
         """Leave the rotation: the keeper removes this job's membership and turn and exits."""
@@ -387,17 +398,32 @@ class TimeSliceGate:
                 seq=int(msg.get("seq", 0)),
                 quantum_s=float(msg.get("quantum_s", 0.0)),
                 members=int(msg.get("members", 0)),
+                fits=msg.get("fits"),
             )
             with self._cond:
+                flipped = st.alone != self._alone
                 self._state = st
                 self._alone = st.alone
                 self._cond.notify_all()
+            if flipped:
+                self._tell_contention(not st.alone)
         with self._cond:
             if not self._closed:
                 log.warning("time-slicing keeper of job %s is gone; the job now runs without taking turns", self.job)
+            flipped = not self._alone
             self._alone = True
             self._state = GateState()
             self._cond.notify_all()
+        if flipped:
+            self._tell_contention(False)
+
+    def _tell_contention(self, contended: bool) -> None:
+        if self.on_contention is None:
+            return
+        try:
+            self.on_contention(contended)
+        except Exception:  # noqa: BLE001 - a caller's hook must not stop the reader
+            log.exception("time-slicing on_contention hook failed")
 
     # ------------------------------------------------------------------ the training loop's call
 

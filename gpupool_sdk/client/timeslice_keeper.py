@@ -31,7 +31,7 @@ from typing import Any
 from gpupool_sdk.client.timeslice import TimeSliceSettings, Turn, plan_turn, quantum_s
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import GpupoolError, SchemaError, StoreError
-from gpupool_sdk.resources import Allocation
+from gpupool_sdk.resources import Allocation, GpuInfo
 from gpupool_sdk.store.codec import decode
 from gpupool_sdk.store.etcd_store import EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
@@ -52,6 +52,7 @@ class GpuShareView:
     members: frozenset[str]
     turn: Turn | None
     turn_kv: KeyValue | None
+    memory_bytes: int = 0  # memory quotas of every job holding a slice of the GPU, summed
 
     @property
     def gated(self) -> dict[str, float]:
@@ -62,6 +63,7 @@ class GpuShareView:
 def read_gpu(store: EtcdStore, keys: Keyspace, node: str, gpu_uuid: str) -> GpuShareView:
     """Read the GPU's allocations and time-slicing keys (two range reads)."""
     shares: dict[str, float] = {}
+    memory = 0
     allocs, _ = store.get_prefix(keys.allocations_prefix(node) + gpu_uuid + "/")
     for kv in allocs:
         try:
@@ -71,6 +73,7 @@ def read_gpu(store: EtcdStore, keys: Keyspace, node: str, gpu_uuid: str) -> GpuS
             continue
         if a.gpu_uuid == gpu_uuid:
             shares[a.job] = shares.get(a.job, 0.0) + a.compute_share
+            memory += a.memory_bytes
     items, _ = store.get_prefix(keys.timeslice_prefix(node, gpu_uuid))
     members: set[str] = set()
     turn: Turn | None = None
@@ -87,7 +90,17 @@ def read_gpu(store: EtcdStore, keys: Keyspace, node: str, gpu_uuid: str) -> GpuS
             parsed = keys.parse(kv.key)
             if parsed is not None and parsed.kind == "timeslice.member":
                 members.add(parsed.parts[2])
-    return GpuShareView(shares, frozenset(members), turn, turn_kv)
+    return GpuShareView(shares, frozenset(members), turn, turn_kv, memory)
+
+
+def gpu_memory(store: EtcdStore, keys: Keyspace, node: str, gpu_uuid: str) -> int | None:
+    """The GPU's memory from its published record, or None when it is absent or malformed."""
+    try:
+        got = store.get_record(keys.gpu(node, gpu_uuid), GpuInfo)
+    except SchemaError as e:
+        log.warning("%s", e)
+        return None
+    return got[0].memory_bytes if got else None
 
 
 class TurnKeeper:
@@ -135,6 +148,7 @@ class TurnKeeper:
         self.lease = LeaseKeeper(store, timing or LeaseTiming(), on_lost=self._on_lost)
         self._watchers: list[Any] = []
         self.handovers = 0
+        self._gpu_memory: int | None = None
 
     def _on_lost(self, err: GpupoolError) -> None:
         log.warning("time-slicing keeper of %s lost its lease (%s); registering again", self.job, err)
@@ -199,6 +213,8 @@ class TurnKeeper:
         """One pass: read, maybe write a new turn (CAS), tell the gate."""
         for _ in range(3):
             view = read_gpu(self.store, self.keys, self.node, self.gpu_uuid)
+            if self._gpu_memory is None:
+                self._gpu_memory = gpu_memory(self.store, self.keys, self.node, self.gpu_uuid)
             gated = view.gated
             if self.compute_share is not None and self.job in gated:
                 gated[self.job] = self.compute_share
@@ -225,7 +241,7 @@ class TurnKeeper:
                     with self._lock:
                         if self._handing_over == handing:
                             self._handing_over = None
-                view = GpuShareView(view.shares, view.members, new, None)
+                view = GpuShareView(view.shares, view.members, new, None, view.memory_bytes)
             self._tell(view, gated)
             return
         self._wake.set()  # lost three races in a row: try again on the next pass
@@ -240,6 +256,7 @@ class TurnKeeper:
             "seq": 0 if turn is None else turn.seq,
             "quantum_s": quantum_s(self.job, gated, self.settings.period_s),
             "members": len(gated),
+            "fits": None if self._gpu_memory is None else view.memory_bytes <= self._gpu_memory,
         }
         if msg != self._last_sent:
             self._last_sent = msg

@@ -114,6 +114,16 @@ class RuntimeOptions:
         resume_paths: more checkpoint files (glob patterns) that count as resume candidates,
             e.g. a ``ModelCheckpoint``'s ``last.ckpt`` in another directory. ``last*.ckpt`` in
             ``checkpoint_dir`` always counts.
+        sharing: ``"auto"`` (default): under CUDA MPS (the agent runs it) the grant's MPS limits
+            go into the environment before CUDA initialises; on a shared slice of a GPU without
+            MPS the job takes turns at step boundaries with the other jobs on it (time-slicing,
+            ``docs/sharing.md``). ``"off"``: neither.
+        timeslice_period_s: one round of time-slicing turns; each job holds the GPU for
+            ``period * share / sum of shares``.
+        handover_offload: when handing the GPU over at a turn, park memory (release the cache,
+            move optimizer state to host memory) and restore it on the next turn: ``"auto"``
+            (default: only when the memory quotas of the GPU's jobs do not fit it together),
+            ``"always"`` or ``"never"``.
         spec_fields: other :class:`~gpupool_sdk.resources.JobSpec` fields (``features``,
             ``gpu_model``, ``min_runtime_s``, ``preempt_grace_s``...).
 
@@ -143,6 +153,9 @@ class RuntimeOptions:
     preempt_signals: tuple[str | int, ...] | None = DEFAULT_PREEMPT_SIGNALS
     keep_checkpoints: int = 2
     resume_paths: tuple[str, ...] = ()
+    sharing: str = "auto"
+    timeslice_period_s: float = 2.0
+    handover_offload: str = "auto"
     spec_fields: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,6 +177,14 @@ class RuntimeOptions:
         if not isinstance(self.exit_on_preempt, bool):
             raise ConfigError("exit_on_preempt", f"must be True or False, got {self.exit_on_preempt!r}")
         _signal_numbers(self.preempt_signals)  # validated here, resolved where installed
+        from gpupool_sdk.runtime.sharing import OFFLOAD_MODES, SHARING_MODES
+
+        if self.sharing not in SHARING_MODES:
+            raise ConfigError("sharing", f"got {self.sharing!r}; use one of {', '.join(map(repr, SHARING_MODES))}")
+        if self.handover_offload not in OFFLOAD_MODES:
+            raise ConfigError("handover_offload",
+                              f"got {self.handover_offload!r}; use one of {', '.join(map(repr, OFFLOAD_MODES))}")
+        object.__setattr__(self, "timeslice_period_s", _opt_seconds(self.timeslice_period_s, "timeslice_period_s") or 2.0)
         if isinstance(self.resume_paths, str):
             object.__setattr__(self, "resume_paths", (self.resume_paths,))
         ckdir = self.checkpoint_dir

@@ -45,6 +45,7 @@ from gpupool_sdk.runtime.env import (
 from gpupool_sdk.runtime.leases import JobLease, LeaseMode, take_lease
 from gpupool_sdk.runtime.options import RuntimeOptions
 from gpupool_sdk.runtime.publisher import MemoryPeakMeter, TelemetryPublisher
+from gpupool_sdk.runtime.sharing import JobSharing
 from gpupool_sdk.runtime.signals import SignalWatch
 from gpupool_sdk.telemetry.phases import Phase, PhaseTimer
 
@@ -105,6 +106,8 @@ class DirectiveInbox:
 
     def __init__(self) -> None:
         self.attention = False
+        #: Another gated job shares the GPU (the sharing gate sets it): attention stays up meanwhile.
+        self.contended = False
         self.lost = False
         self.lost_reason = ""
         self.signal: int | None = None
@@ -133,7 +136,7 @@ class DirectiveInbox:
 
     def take(self) -> Decision:
         """The decision for what arrived (rank 0); lowers the flag first so that nothing is missed."""
-        self.attention = False
+        self.attention = self.contended
         if self.lost:
             self.attention = True
             return Decision(kind=DecisionKind.LOST, reason=self.lost_reason)
@@ -209,6 +212,9 @@ class PoolRuntime:
         self._training = False
         self._pid = os.getpid()
         self._closed = False
+        #: MPS environment or time-slicing gate of the grant (gpupool_sdk.runtime.sharing).
+        self.sharing = JobSharing(self.job, self.inbox, mode=options.sharing, period_s=options.timeslice_period_s,
+                                  offload=options.handover_offload, balloon=self.balloon_controller)
 
     # -- lease ---------------------------------------------------------------------------------
     @property
@@ -257,6 +263,7 @@ class PoolRuntime:
                      self.lease_hex)
         if grant.devices:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(grant.devices)
+        self._plan_sharing()
         os.environ[LEASED_ENV] = "1"
         os.environ[DEVICES_ENV] = str(self.slices)
         os.environ[JOB_ENV] = self.job
@@ -268,6 +275,14 @@ class PoolRuntime:
             os.environ.pop(RESUME_ENV, None)
         self.signals.install(self.options.signal_numbers)
         atexit.register(self.close)
+
+    def _plan_sharing(self) -> None:
+        """MPS environment (before CUDA initialises) or time-slicing plan of this grant (docs/sharing.md)."""
+        self.sharing.job = self.job
+        if self.mode is LeaseMode.ATTACHED:
+            self.sharing.from_launcher()
+        elif self.mode is LeaseMode.DIRECT and self.lease is not None:
+            self.sharing.on_lease(self.lease, self._client)
 
     def _check_launcher_spec(self, launched: Mapping[str, Any]) -> None:
         """Under ``gpupool run`` the launcher's flags are the spec; a callback value that differs is an error.
@@ -365,6 +380,8 @@ class PoolRuntime:
             self.balloon_controller()
         except Exception as exc:  # noqa: BLE001 - a balloon directive retries and acks the error
             log.warning("gpupool: no memory balloon for %s yet (%s); a balloon directive will be refused", self.job, exc)
+        if self.is_leader:
+            self.sharing.start()
         if self.lease is None:
             return
         if self.accelerator == "gpu":
@@ -374,9 +391,10 @@ class PoolRuntime:
             self.publisher.start_exporter(self.options.metrics_port, self.options.metrics_addr)
 
     def stop_training(self) -> None:
-        """Training ended: stop the sampler and the exporter."""
+        """Training ended: stop the sampler and the exporter, leave the time-slicing rotation."""
         self._training = False
         self.publisher.stop()
+        self.sharing.stop()
 
     def add_optimizer(self, optimizer: Any) -> None:
         """Register an optimizer whose state a balloon may offload to host memory."""
@@ -441,6 +459,8 @@ class PoolRuntime:
                 self.step = step_of()
                 self.publisher.maybe_publish(self.lease, self.step, now)
             return CARRY_ON
+        if self.inbox.contended:
+            self.sharing.turn()  # another job shares the GPU: wait for our turn (docs/sharing.md)
         dec = self.agree(broadcast)
         if dec.kind is not None:
             self.step = step_of()

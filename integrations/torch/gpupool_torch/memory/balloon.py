@@ -291,6 +291,48 @@ class BalloonController(abc.ABC):
             self.last_result = result
             return result
 
+    def park(self) -> BalloonResult:
+        """A time-slicing hand-over: free what the job does not need while another job has the GPU.
+
+        Releases the cache and moves the optimizer state to host memory (held there between
+        steps) until :meth:`unpark`. The limit is left alone: the job runs no step while parked.
+        Called on the training thread when the job hands the GPU over
+        (``gpupool_sdk.runtime.sharing``, ``handover_offload``).
+
+        Returns:
+            What was freed (``offloaded_bytes``: optimizer state moved to host memory).
+        """
+        with self._lock:
+            released = self._trim()
+            offloaded = sum(off.hold() for off in self._offloaders)
+            released += self._trim()
+            reached, live = self.usage_bytes(), self.live_bytes()
+            result = BalloonResult(
+                target_bytes=None, reached_bytes=reached, released_bytes=released, offloaded_bytes=offloaded,
+                restored_bytes=0, live_bytes=live, reached_target=True, working_set_exceeds_target=False,
+                message=f"parked for a hand-over: released {format_size(released)} of cache, offloaded "
+                f"{format_size(offloaded)} of optimizer state; footprint {format_size(reached)}",
+            )
+            self.last_result = result
+            return result
+
+    def unpark(self) -> BalloonResult:
+        """The turn came back: bring the optimizer state back, unless a balloon target still holds it out.
+
+        Returns:
+            What was restored.
+        """
+        with self._lock:
+            restored = 0 if self._target is not None else sum(off.release() for off in self._offloaders)
+            reached, live = self.usage_bytes(), self.live_bytes()
+            result = BalloonResult(
+                target_bytes=self._target, reached_bytes=reached, released_bytes=0, offloaded_bytes=0,
+                restored_bytes=restored, live_bytes=live, reached_target=True, working_set_exceeds_target=False,
+                message=f"unparked: restored {format_size(restored)} of optimizer state; footprint {format_size(reached)}",
+            )
+            self.last_result = result
+            return result
+
     def stats(self) -> dict[str, Any]:
         """Balloon state and the tier's memory statistics (``gpupool_*`` metric names)."""
         with self._lock:
