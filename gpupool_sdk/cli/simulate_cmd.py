@@ -63,6 +63,9 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--elastic", "elastic", default="", metavar="MIN_FRACTION[,MAX_FACTOR]",
               help="gpupool only: every job asking n GPUs (without its own min_gpu=/max_gpu= in extra) may run "
                    "on ceil(n*MIN_FRACTION) to floor(n*MAX_FACTOR) GPUs, e.g. 0.5,2; baselines keep n.")
+@click.option("--rigid-applications", is_flag=True, default=False,
+              help="Workload: rows of the adaptive Pollux/Sia applications (application= in extra) run on the "
+                   "GPUs they ask, rigid (default: they may grow to 4x that under gpupool, as in Pollux and Sia).")
 @click.option("--elastic-sigma", default=0.05, show_default=True, type=float, metavar="SIGMA",
               help="Serial fraction of the elastic speed-up: throughput(k) = k / (1 + SIGMA*(k-1)), "
                    "normalised to the GPUs the trace asked for (0 = linear).")
@@ -105,6 +108,7 @@ def simulate(
     estimate_sigma: float,
     no_estimates: bool,
     elastic: str,
+    rigid_applications: bool,
     elastic_sigma: float,
     max_pending: int | None,
     gandiva_quantum_s: float,
@@ -194,7 +198,7 @@ def simulate(
         raise ConfigError(flag, str(exc).split(": ", 1)[1]) from None
     trace = load_trace(
         trace_path, seed=seed, max_jobs=max_jobs, time_scale=time_scale, censored=censored, sources=sources,
-        max_duration_s=max_duration,
+        max_duration_s=max_duration, adaptive_applications=not rigid_applications,
     )
     try:
         sim_config = SimConfig(
@@ -251,7 +255,7 @@ def simulate(
     console.print(
         f"trace: {stats['rows']} rows, {stats['jobs']} GPU jobs, {stats['skipped_cpu_only']} CPU-only skipped, "
         f"{stats['censored']} right-censored, {stats['durations_sampled']} durations drawn, "
-        f"{stats['durations_from_application']} from the application table"
+        f"{stats['durations_from_application']} from the application table, {stats['elastic']} elastic"
     )
     if plot_path:
         console.print(f"plot written to {plot_path}")

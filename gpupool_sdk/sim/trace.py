@@ -22,7 +22,10 @@ How a row's run time is found, in this order (``TraceJob.duration_origin`` recor
 * ``min_gpu=N`` and ``max_gpu=M``: the row is an elastic job that may run on ``N`` to ``M`` GPUs
   (whole numbers, ``1 <= min_gpu <= num_gpu <= max_gpu``; a missing one defaults to ``num_gpu``).
   Only the ``gpupool`` policy uses them (the baselines run every job on ``num_gpu`` GPUs); see
-  :mod:`gpupool_sdk.sim.engine` for the speed of a job on another GPU count;
+  :mod:`gpupool_sdk.sim.engine` for the speed of a job on another GPU count. A row of an
+  :data:`ADAPTIVE_APPLICATIONS` application without its own bounds is elastic from ``num_gpu`` to
+  ``ADAPTIVE_MAX_FACTOR x num_gpu`` (``adaptive_applications=False``: rigid), a statement about
+  the workload (the Pollux/Sia jobs adapt their GPU count), not a policy setting;
 * ``checkpoint_s=``, ``restart_s=`` (the job's preemption cost) and the memory keys
   (``gpu_mem_gib=``...) are read by the engine and the workload model.
 
@@ -76,6 +79,20 @@ APPLICATION_GPU_HOURS: Mapping[str, float] = {
     "yolov3": 25.0,
     "imagenet": 150.0,
 }
+
+#: Applications whose jobs are adaptive: in the Pollux (OSDI'21) and Sia (SOSP'23) artifacts
+#: every job of these applications adapts its batch size and GPU count while it runs; the
+#: ``num_gpu`` of a workload row is only what rigid baselines give it (Pollux's artifact picks it
+#: where the job's measured scaling efficiency is 50-80 %), and a job scales up to its largest
+#: batch over its smallest per-GPU batch (cifar10: 2,048 / 32 = 64 GPUs).
+ADAPTIVE_APPLICATIONS: frozenset[str] = frozenset(APPLICATION_GPU_HOURS)
+
+#: How far an adaptive application's job may grow past the GPUs its row asks for
+#: (``max_gpu = ADAPTIVE_MAX_FACTOR x num_gpu``; the cluster caps it further). It never goes
+#: below what it asks (``min_gpu = num_gpu``): Pollux's jobs could also run on fewer, but the
+#: rows ask ``num_gpu`` and a job started below its ask is slower than one that waits a little
+#: (``docs/simulation.md`` section 5b measures both).
+ADAPTIVE_MAX_FACTOR = 4
 
 TRACES_DIR_ENV = "GPUPOOL_TRACES_DIR"
 
@@ -178,6 +195,7 @@ class TraceStats:
     durations_from_trace: int = 0
     durations_from_application: int = 0
     durations_sampled: int = 0
+    elastic: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -306,6 +324,7 @@ def load_trace(
     duration_samples: Sequence[float] | None = None,
     application_gpu_hours: Mapping[str, float] | None = None,
     max_duration_s: float | None = None,
+    adaptive_applications: bool = True,
 ) -> Trace:
     """Load and validate a trace file in the unified schema.
 
@@ -322,6 +341,9 @@ def load_trace(
             YARN samples, read only if some row needs one).
         application_gpu_hours: overrides :data:`APPLICATION_GPU_HOURS`.
         max_duration_s: clip durations to this (None = no clip); clipped rows count as censored.
+        adaptive_applications: rows of an :data:`ADAPTIVE_APPLICATIONS` application without
+            their own ``min_gpu=`` / ``max_gpu=`` are elastic from ``num_gpu`` to
+            ``ADAPTIVE_MAX_FACTOR x num_gpu`` GPUs (False: they run on ``num_gpu``, rigid).
 
     Returns:
         The :class:`Trace`, jobs sorted by (arrival, row).
@@ -405,6 +427,11 @@ def load_trace(
             except ValueError as exc:
                 raise r.fail("extra", f"{exc}; write key=value;key=value") from None
             min_gpu, max_gpu = _gpu_bounds(r, extra, num_gpu)
+            if (
+                adaptive_applications and min_gpu is None and max_gpu is None and frac == 1.0
+                and extra.get("application") in ADAPTIVE_APPLICATIONS
+            ):
+                max_gpu = ADAPTIVE_MAX_FACTOR * num_gpu
             status = r.text("status")
             is_censored = status.lower() in CENSORED_STATUSES
             start = r.number("start_s", required=False)
@@ -472,5 +499,6 @@ def load_trace(
         durations_from_trace=sum(1 for j in jobs if j.duration_origin == "trace"),
         durations_from_application=sum(1 for j in jobs if j.duration_origin == "application"),
         durations_sampled=sum(1 for j in jobs if j.duration_origin == "sampled"),
+        elastic=sum(1 for j in jobs if j.is_elastic),
     )
     return Trace(path=str(p), jobs=jobs, stats=stats)

@@ -93,3 +93,25 @@ def test_source_patterns_match_whole_names(tmp_path: Path) -> None:
     path = _write(tmp_path, text)
     assert [j.job_id for j in load_trace(path, sources=["w-1"]).jobs] == ["a"]
     assert [j.job_id for j in load_trace(path, sources=["w-*"]).jobs] == ["a", "b"]
+
+
+def test_adaptive_application_rows_are_elastic_above_their_ask(tmp_path: Path) -> None:
+    # Pollux/Sia applications adapt their GPU count: a row naming one may grow to 4x its ask,
+    # never below it; a row's own bounds win; other rows and adaptive_applications=False stay rigid.
+    text = (
+        "job_id,submit_s,num_gpu,extra\n"
+        "app,0,3,application=cifar10\n"
+        "own,1,3,application=bert;min_gpu=2;max_gpu=5\n"
+        "plain,2,3,\n"
+        "small,3,2,application=ncf;batch_size=256\n"
+    )
+    trace = load_trace(_write(tmp_path, text), duration_samples=[42.0])
+    by_id = {j.job_id: j for j in trace.jobs}
+    assert (by_id["app"].min_gpu, by_id["app"].max_gpu) == (None, 12) and by_id["app"].is_elastic
+    assert (by_id["own"].min_gpu, by_id["own"].max_gpu) == (2, 5)
+    assert not by_id["plain"].is_elastic
+    assert by_id["small"].max_gpu == 8
+    assert trace.stats.elastic == 3
+    rigid = load_trace(_write(tmp_path, text), duration_samples=[42.0], adaptive_applications=False)
+    assert [j.is_elastic for j in rigid.jobs] == [False, True, False, False]
+    assert rigid.stats.elastic == 1
