@@ -206,3 +206,40 @@ def test_gate_with_a_scripted_keeper_hands_over_pauses_resumes_and_opens_when_th
         assert gate.turns == 2
     finally:
         gate.close()
+
+
+def test_gates_learn_whether_the_sharers_memory_fits_and_report_contention(
+    etcd_endpoint: str, store: EtcdStore, keyspace: Keyspace
+) -> None:
+    """The keeper tells the gate whether the GPU's quotas fit its memory (the hand-over offload's cue)."""
+    from testkit import publish_gpus
+
+    from gpupool_sdk.inventory.simulated import parse_cluster_spec
+    from gpupool_sdk.resources import GiB
+
+    (gpu,) = parse_cluster_spec(f"{NODE}:1xA100-40GB:pcie")
+    assert gpu.uuid == GPU
+    publish_gpus(store, [gpu])
+
+    def grant(job: str, gib: int) -> None:
+        store.put(keyspace.allocation(NODE, GPU, job),
+                  Allocation(job, NODE, GPU, 0, gib * GiB, 0.5, QoS.SHARED))
+
+    grant("job-a", 30)
+    grant("job-b", 30)  # 60 GiB of quotas on a 40 GiB GPU (shared, overcommitted)
+    seen: list[bool] = []
+    a = TimeSliceGate.start("job-a", NODE, GPU, endpoints=etcd_endpoint, prefix=keyspace.prefix, settings=S,
+                            on_contention=seen.append)
+    b = TimeSliceGate.start("job-b", NODE, GPU, endpoints=etcd_endpoint, prefix=keyspace.prefix, settings=S)
+    try:
+        wait_for(lambda: a.state.fits is False and b.state.fits is False and b.state.members == 2, timeout=60,
+                 what="both to see 60 GiB on 40")
+        assert seen == [True]
+        grant("job-b", 5)
+        wait_for(lambda: a.state.fits is True and b.state.fits is True, timeout=60, what="35 GiB to fit 40")
+        b.close()
+        wait_for(lambda: a.alone, timeout=60, what="job-a alone")
+        assert seen == [True, False]
+    finally:
+        b.close()
+        a.close()

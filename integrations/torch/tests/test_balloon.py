@@ -236,3 +236,36 @@ def test_host_tier_accepts_an_existing_allocator() -> None:
     with CachingAllocator(backend="host", quota="8MiB") as alloc:
         b = make_balloon_controller("host", allocator=alloc)
         assert b.quota_bytes == 8 * MiB
+
+
+def test_park_and_unpark_at_hand_overs_keep_training_bit_exact(host_balloon: AllocatorBalloonController) -> None:
+    """Time-slicing hand-overs (``handover_offload``): state out while another job has the GPU, back on our turn."""
+    model, opt = make_job(seed=2)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    host_balloon.add_optimizer(opt)
+    for step in range(8):
+        train_step(model, opt, step)
+        train_step(twin, twin_opt, step)
+        expected = state_bytes(opt)
+        before = snapshot_state(opt)
+        parked = host_balloon.park()
+        assert parked.offloaded_bytes == expected and host_balloon.usage_bytes() == 0 and not host_balloon.inflated
+        back = host_balloon.unpark()
+        assert back.restored_bytes == expected and host_balloon.usage_bytes() == expected
+        for p, s in opt.state.items():
+            for k, v in s.items():
+                assert torch.equal(v, before[id(p)][k])
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unpark_leaves_state_out_while_a_balloon_target_holds_it(host_balloon: AllocatorBalloonController) -> None:
+    model, opt = make_job(seed=3)
+    train_step(model, opt, 0)
+    host_balloon.add_optimizer(opt)
+    expected = state_bytes(opt)
+    host_balloon.inflate(0)  # the coordinator's balloon directive
+    host_balloon.park()
+    assert host_balloon.unpark().restored_bytes == 0 and host_balloon.usage_bytes() == 0
+    assert host_balloon.deflate().restored_bytes == expected
