@@ -48,8 +48,10 @@ else:  # pragma: no cover - Python 3.10
 #: field defaults (a neutral constructor for tests and embedding): shared memory overcommitted to
 #: 1.5x physical (predicted peaks must still fit), least-attained-service queues cut at 1 and 10
 #: GPU-hours with preemption across queues, progress-aware ranking (``use_remaining``), no aging
-#: and no ``max_wait_s`` bypass (both undo LAS ordering under congestion), and Tiresias'
-#: starvation promotion (a job that waited 8x its run so far is back in queue 0) as the guard.
+#: and no ``max_wait_s`` bypass (both undo LAS ordering under congestion), and no Tiresias
+#: starvation promotion (``las_promote_after_factor`` 0: at 8 it raised the congested average JCT
+#: 1.6x with 20x the preemptions, ``docs/simulation.md`` section 5a): a long job may wait while
+#: shorter ones keep arriving; an operator who needs a bound on that wait sets the factor.
 DEFAULT_SCHEDULER = SchedulerConfig(
     overcommit_ratio=1.5,
     aging_s_per_priority=0.0,
