@@ -123,7 +123,7 @@ def train(args: argparse.Namespace, pool: Any, rank: int, world: int) -> int:
         if args.finish_file and finish_requested(args.finish_file, rank, world):
             finished = True
             break
-    done = finished or step >= args.steps
+    done = finished or step >= min(stop_at, args.steps)
     if pool is None and args.save and rank == 0:
         save(args.save)
     if rank == 0:

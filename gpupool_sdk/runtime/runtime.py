@@ -186,6 +186,20 @@ class PoolRuntime:
                 f"the launcher ({self.launch.launcher}) started this job on {self.launch.nnodes} node(s) but the "
                 f"spec asks for nodes={self.spec.nodes}; pass nodes={self.launch.nnodes} (gpus is the total)",
             )
+        if self.mode is LeaseMode.DIRECT and self.spec.is_elastic:
+            from gpupool_sdk.errors import ConfigError
+
+            # A resize restarts the job's processes; a lease held by this process ends with it,
+            # so the job would lose its grant (and queue again) at every resize. `gpupool run`
+            # holds the lease across that restart.
+            raise ConfigError(
+                "min_gpus",
+                f"an elastic job (min_gpus={self.spec.min_gpus}, max_gpus={self.spec.max_gpus}) must run under "
+                f"`gpupool run --min-gpus {self.spec.min_gpus} --max-gpus {self.spec.max_gpus} -- python ...`, "
+                "which keeps the job's lease while the script restarts on the resized grant; a process that "
+                "leases directly would lose its grant at every resize. Start it under gpupool run, or drop "
+                "min_gpus/max_gpus",
+            )
         self.book = CheckpointBook(options.checkpoint_path(), self.job, options.keep_checkpoints, options.resume_paths)
         self.timer = PhaseTimer()
         self.inbox = DirectiveInbox()
@@ -466,6 +480,10 @@ class PoolRuntime:
             self.step = step_of()
             self.act(dec, self.step, save)
             if dec.kind.stops:
+                if broadcast is not None:
+                    # Every rank leaves together, once rank 0 has acked: a launcher that stops the
+                    # other ranks when one exits (torchrun) would otherwise kill rank 0 mid-ack.
+                    broadcast(None)
                 return dec
         if self.lease is not None and (now is None or now >= self.publisher.next_due):
             self.step = step_of()
@@ -510,6 +528,11 @@ class PoolRuntime:
         # A resize under `gpupool run` keeps the lease: the launcher waits for the re-grant and
         # runs the script again on the new slices (no release, no second queueing).
         keep_lease = dec.kind is DecisionKind.RESIZE and self.mode is LeaseMode.ATTACHED
+        if dec.kind is DecisionKind.RESIZE and self.mode is LeaseMode.DIRECT:
+            # Never sent by this SDK's coordinator (a direct lease is never elastic, see __init__):
+            # the lease ends with this process, so the resize can only be a preemption.
+            log.warning("gpupool: %s got a resize directive on a direct lease; handled as a preemption (run "
+                        "elastic jobs under `gpupool run --min-gpus --max-gpus` to keep the grant)", self.job)
         if self.is_leader and self.lease is not None:
             acked = saved
             if not by_signal:
