@@ -88,14 +88,22 @@ def orphan_allocations(state: PoolState) -> list[dict[str, Any]]:
 
 
 def sharing_mechanism(gpu: GpuInfo, holders: Sequence[str], gated: Collection[str]) -> str:
-    """How the compute shares of a GPU's jobs are enforced: ``none``, ``mps`` or ``timeslice``.
+    """How the GPU's jobs are kept apart: ``none``, ``mps``, ``timeslice`` or ``mig``.
 
-    ``mps`` when the agent runs an MPS control daemon for the GPU (jobs get MPS limits from their
-    grants), else ``timeslice`` when at least two of its jobs run a time-slicing gate, else
-    ``none`` (one job, or shares not enforced).
+    A MIG instance is ``mig`` while at most one job holds it (the hardware isolates it from the
+    other instances). Shared by two or more jobs: ``mps`` when the agent runs an MPS control daemon
+    for the GPU (the jobs run under the MPS limits of their grants), else ``timeslice`` when at
+    least two of them run a time-slicing gate (the training runtime does, on shared slices of a
+    GPU without MPS), else ``none`` (shares not enforced).
+
+    Example:
+        >>> from gpupool_sdk.inventory.simulated import parse_cluster_spec
+        >>> g = parse_cluster_spec("n:1xA100-40GB:pcie")[0]
+        >>> sharing_mechanism(g, ["a"], []), sharing_mechanism(g, ["a", "b"], ["a", "b"]), sharing_mechanism(g, ["a", "b"], ["a"])
+        ('none', 'timeslice', 'none')
     """
     if len(set(holders)) < 2:
-        return "none"
+        return "mig" if gpu.mig_profile else "none"
     if gpu.mps_pipe_dir:
         return "mps"
     if len(set(holders) & set(gated)) >= 2:

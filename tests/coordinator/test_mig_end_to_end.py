@@ -55,7 +55,8 @@ def test_mig_slices_published_granted_by_profile_and_shown(store: EtcdStore, tmp
         assert mig_jobs == ["on-mig"] and gpus["GPU-fake-0001-aaaa-bbbb"]["jobs"] == ["plain"]
         assert gpus["MIG-fake-0000-1"]["mig_profile"] == "3g.40gb"
         assert gpus["MIG-fake-0000-1"]["mig_parent"] == "GPU-fake-0000-aaaa-bbbb"
-        assert all(g["sharing"] == "none" for g in gpus.values())  # one job per GPU
+        # One job per GPU: the MIG instances are isolated by the hardware, the whole GPU shares nothing.
+        assert [gpus[u]["sharing"] for u in sorted(gpus)] == ["none", "mig", "mig"]
         text = "\n".join(plain_table(p) for p in sections(read_pool(store), store.endpoint) if isinstance(p, TableSpec))
         assert "A100-80GB MIG 3g.40gb" in text and "SHARING" in text
     finally:
