@@ -7,6 +7,12 @@ with 75 (preempted, checkpointed) or the lease is lost, the launcher releases wh
 queues again under the same job name and re-runs the script, which resumes from the job's last
 acknowledged checkpoint (``$GPUPOOL_RESUME_FROM``). Ctrl-C stops the script and releases everything.
 
+Elastic jobs (``--min-gpus``/``--max-gpus``): after the script acked a ``resize`` and exited
+(75, or non-zero from torchrun, whose agent reports a worker's 75 as a failure) the launcher keeps
+the lease, waits for the coordinator's re-grant on it and runs the command again with
+``GPUPOOL_DEVICES`` set to the new slice count (``torchrun --nproc-per-node "$GPUPOOL_DEVICES"``
+inside ``sh -c``: one rank per slice). A resize counts as neither a preemption nor a crash.
+
 Signals: SIGTERM, SIGINT or SIGUSR1 to the launcher (Kubernetes eviction, ``scancel``, Ctrl-C,
 Slurm's ``--signal``) are forwarded to the script's process group; the script checkpoints at its
 next step boundary and exits 75; the launcher waits up to ``--grace`` seconds (then SIGKILL),
