@@ -21,7 +21,10 @@ about five hours, run times from 15 minutes to 6 hours, on one node of 8 GPUs) i
 
 Then it compares the orders in which jobs start and finish (Kendall's tau, Spearman's rho, the
 fraction of job pairs in the same order), the average JCT (live / simulated) and the number of
-preemptions. What it can and cannot show is in ``docs/simulation.md``, section 8.
+preemptions; and, as a calibration, how alike the live finish order is to the orders other
+simulated policies give on the same trace (FIFO, Tiresias, Gandiva, best-fit, ``gpupool`` without
+estimates or with other estimate draws): an order that is the simulated ``gpupool``'s is closer to
+it than to any of those. What it can and cannot show is in ``docs/simulation.md``, section 8.
 
 A job process's remaining-time estimate is the simulator's own model
 (:class:`~gpupool_sdk.sim.estimates.JobEstimates`, same seed): a job that declares no length
@@ -390,6 +393,41 @@ def compare(live: Mapping[str, JobOutcome], sim: Mapping[str, JobOutcome], separ
     }
 
 
+def latencies(live: Mapping[str, JobOutcome], sim: Mapping[str, JobOutcome]) -> dict[str, Any]:
+    """Real seconds the live pool adds (times as the job processes saw them).
+
+    ``grant``: from the submission to the grant, for jobs the simulator started on arrival (free
+    GPUs: what is left is the pool's latency, spec to watch to grant to watch). ``preempt``: from
+    the directive seen to the lease given back (checkpoint, ack, the leader's release).
+    """
+    def stats(xs: list[float]) -> dict[str, float]:
+        xs = sorted(xs)
+        if not xs:
+            return {"n": 0, "p50": math.nan, "max": math.nan, "mean": math.nan}
+        return {"n": len(xs), "p50": xs[len(xs) // 2], "max": xs[-1], "mean": sum(xs) / len(xs)}
+
+    grant: list[float] = []
+    preempt: list[float] = []
+    for name, o in live.items():
+        s = sim.get(name)
+        submitted: float | None = None
+        seen: float | None = None
+        for e in o.events:
+            if e["event"] == "submit":
+                submitted = e["t"]
+            elif e["event"] == "grant" and submitted is not None:
+                first = submitted == o.events[0]["t"]
+                if first and s is not None and s.start == s.submit:
+                    grant.append(e["t"] - submitted)
+                submitted = None
+            elif e["event"] == "preempt":
+                seen = e["t"]
+            elif e["event"] == "released" and seen is not None:
+                preempt.append(e["t"] - seen)
+                seen = None
+    return {"grant_s": stats(grant), "preempt_to_release_s": stats(preempt)}
+
+
 # ---------------------------------------------------------------------------------------------
 # the simulation
 
@@ -717,6 +755,7 @@ def run(
     in_trace_s = {n: _scaled(o, factor) for n, o in live.items()}
     sim_ref = sim_outcomes(ref)
     separated = 3600.0  # pairs the simulator finishes more than one trace hour apart
+    others = baselines(trace, cluster, times, seed)
     return {
         "trace": str(trace),
         "cluster": cluster,
@@ -729,6 +768,11 @@ def run(
         "workdir": str(workdir),
         "live_vs_sim": compare(in_trace_s, sim_ref, separated),
         "compressed_sim_vs_sim": compare({n: _scaled(o, factor) for n, o in sim_small.items()}, sim_ref, separated),
+        "latency_real_s": latencies(live, sim_small),
+        # Calibration: how alike the live order is to other simulated policies' (and gpupool's
+        # with other information), and how alike those are to the simulated gpupool's.
+        "live_vs_others_tau": {k: compare(in_trace_s, o, separated)["finish_order"]["kendall_tau"] for k, o in others.items()},
+        "sim_vs_others_tau": {k: compare(o, sim_ref, separated)["finish_order"]["kendall_tau"] for k, o in others.items()},
         "live_events": {n: o.events for n, o in live.items()},
         "outcomes": {
             n: {"submit": sim_ref[n].submit, "start_sim": sim_ref[n].start, "end_sim": sim_ref[n].end,
@@ -737,6 +781,31 @@ def run(
             for n in sim_ref
         },
     }
+
+
+#: The simulated policies the live order is also compared with (``baselines``).
+BASELINES: tuple[str, ...] = ("fifo", "tiresias", "gandiva", "bestfit")
+
+
+def baselines(trace: Path, cluster: str, times: EngineTimes, seed: int) -> dict[str, dict[str, JobOutcome]]:
+    """Outcomes of the same (uncompressed) trace under :data:`BASELINES` and under ``gpupool`` with
+    what a job reports changed: no estimates at all (``gpupool-no-estimates``) and other estimate
+    and profile draws (``gpupool-seed<N>``). An order that is the simulated ``gpupool``'s should
+    be closer to it than to any of these."""
+    from gpupool_sdk.sim import load_trace, run_simulation
+    from gpupool_sdk.sim.estimates import EstimateModel
+
+    tr = load_trace(trace, seed=seed)
+    rep = run_simulation(tr, cluster, list(BASELINES), sim_config=times.sim_config(seed), seed=seed)
+    out = {k: sim_outcomes(r) for k, r in rep.results.items()}
+    none = run_simulation(tr, cluster, ["gpupool"], sim_config=times.sim_config(seed), seed=seed,
+                          estimates=EstimateModel(after_s=times.estimate_after_s, enabled=False))
+    out["gpupool-no-estimates"] = sim_outcomes(none.results["gpupool"])
+    for other in (seed + 1, seed + 2):
+        r = run_simulation(load_trace(trace, seed=other), cluster, ["gpupool"], sim_config=times.sim_config(other),
+                           seed=other, estimates=times.estimates())
+        out[f"gpupool-seed{other}"] = sim_outcomes(r.results["gpupool"])
+    return out
 
 
 def _scaled(o: JobOutcome, factor: float) -> JobOutcome:
@@ -758,6 +827,12 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
             f"= {c['avg_jct_ratio']:.3f}x (p50 per job {c['jct_ratio_p50']:.3f}x); preemptions "
             f"{c['preemptions_live']} / {c['preemptions_sim']}; finished {c['finished_both']}/{c['jobs']}"
         )
+    out.append("finish-order tau against other simulated orders, live / simulated gpupool: " + ", ".join(
+        f"{k} {report['live_vs_others_tau'][k]:.3f} / {report['sim_vs_others_tau'][k]:.3f}" for k in report["live_vs_others_tau"]))
+    lat = report["latency_real_s"]
+    g, p = lat["grant_s"], lat["preempt_to_release_s"]
+    out.append(f"live latency (real s): grant p50 {g['p50']:.3f} max {g['max']:.3f} (n={g['n']}); "
+               f"preempt to release p50 {p['p50']:.3f} max {p['max']:.3f} (n={p['n']})")
     return out
 
 
