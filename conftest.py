@@ -95,7 +95,20 @@ def etcdctl(etcd_endpoint: str) -> Callable[..., subprocess.CompletedProcess[str
     return run
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the run for parallel workers and skip GPU tests where there is no GPU.
+
+    ``scripts/test`` runs the suite on several pytest-xdist workers (``--dist loadgroup``, one
+    test at a time per worker). The long end-to-end tests (marked ``slow``) go first, so that they
+    overlap each other instead of leaving one worker busy at the end; the order is stable and the
+    same on every worker, as xdist requires.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    _skip_gpu_tests_without_a_gpu(items)
+
+
+def _skip_gpu_tests_without_a_gpu(items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return  # do not pay for importing torch when no test needs a GPU

@@ -20,7 +20,8 @@ import pytest
 
 from gpupool_sdk.store.keyspace import Keyspace
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+# One worker builds the core venv once for the whole module (pytest-xdist ``--dist loadgroup``).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.xdist_group("core_install")]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "tiresias_60job.csv"
