@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU check run, for a session that is lent a GPU machine (see docs/gpu.md).
 # Runs every test marked `gpu` (NVML inventory, NVML sampler, CUDA allocator in replace mode,
-# CuPy + torch shared quota, balloon round trip on a real GPU, MIG read through NVML, MPS limits) and the allocator benchmark
+# CuPy + torch shared quota, balloon round trip on a real GPU, MIG read through NVML, MPS limits, the
+# runtime's MPS environment applied before/after CUDA starts and two runtimes time-slicing one GPU 0.7/0.3:
+# tests/runtime/test_sharing_gpu.py) and the allocator benchmark
 # against PyTorch's own caching allocator, and writes the results under ${OUT:-gpu-results}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
