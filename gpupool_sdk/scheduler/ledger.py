@@ -103,6 +103,8 @@ class GpuLayout:
         ok = set(schedulable)
         self.schedulable: list[bool] = [g.uuid in ok for g in self.gpus]
         self.nodes: list[str] = [g.node for g in self.gpus]
+        #: physical memory per GPU (each cycle's empty loads are made from it).
+        self.phys: list[int] = [g.memory_bytes for g in self.gpus]
         self.islands: list[int | None] = [g.nvlink_island for g in self.gpus]
         sizes = Counter((g.node, g.nvlink_island) for g in self.gpus if g.nvlink_island is not None)
         self.max_island = max(sizes.values(), default=0)
@@ -167,7 +169,7 @@ class Ledger:
         self.gpus = layout.gpus
         self.index_of = layout.index_of
         self.ratio = overcommit_ratio
-        self.loads: list[GpuLoad] = [GpuLoad(phys=g.memory_bytes) for g in layout.gpus]
+        self.loads: list[GpuLoad] = list(map(GpuLoad, layout.phys))
         self.schedulable = layout.schedulable
         self.nodes = layout.nodes
         self.islands = layout.islands

@@ -103,6 +103,8 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
     index_of = ledger.index_of
     old = memo.held if memo.config is config and memo.held_layout is layout else {}
     held_by_job: dict[str, tuple[JobView, list[Holding]]] = {}
+    old_below = memo.below_quota
+    below: set[str] = set()
     memo.vanished = False
     jobs = snapshot.jobs
     for name in sorted(n for n, v in jobs.items() if v.allocations):
@@ -111,7 +113,12 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
         if known is not None and known[0] is view:
             held = known[1]
             memo.vanished |= len(held) < len(view.allocations)
+            if name in old_below:
+                below.add(name)
         else:
+            spec = view.spec
+            if spec.qos_class is QoS.SHARED and any(a.memory_bytes < spec.memory_bytes for a in view.allocations):
+                below.add(name)
             held = []
             for a in view.allocations:
                 i = index_of.get(a.gpu_uuid)
@@ -128,7 +135,7 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
          for a in snapshot.orphans if a.gpu_uuid in index_of],
         reindex=False,
     )
-    memo.config, memo.held_layout, memo.held = config, layout, held_by_job
+    memo.config, memo.held_layout, memo.held, memo.below_quota = config, layout, held_by_job, below
     ledger.rebuild_index()
     return ledger
 
@@ -143,6 +150,8 @@ class _BuildMemo:
         self.config: SchedulerConfig | None = None
         self.held_layout: GpuLayout | None = None
         self.held: dict[str, tuple[JobView, list[Holding]]] = {}
+        #: shared jobs of ``held`` holding a slice below their declared memory (ballooned: they may deflate).
+        self.below_quota: set[str] = set()
         #: some allocation of the last ledger built is on a GPU no longer published.
         self.vanished = False
 
@@ -196,6 +205,9 @@ class _Cycle:
     no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
     #: :func:`victim_key` (without LAS) of the jobs holding capacity, for reservations.
     holder_keys: dict[str, tuple[int, int, int, float, int, str]] = field(default_factory=dict)
+    #: the jobs holding capacity in victim order (for reservations), and their names when sorted.
+    holder_order: list[str] | None = None
+    holder_names: set[str] = field(default_factory=set)
     #: elastic jobs granted this cycle below ``max_gpus``: (index of their Grant in ``decisions``, request).
     fresh: dict[str, tuple[int, SliceRequest]] = field(default_factory=dict)
     #: queued jobs not considered in full (cut by ``max_decisions`` or ``max_preemption_attempts``):
@@ -232,6 +244,10 @@ class Scheduler:
         #: per pending job without allocations, its sort key while the order does not move with time:
         #: (spec, attained, remaining, order, key).
         self._keys: dict[str, tuple[JobSpec, float, float | None, int, tuple[object, ...]]] = {}
+        #: the reason a request could not be placed, by request object (see :meth:`_why`), while
+        #: the GPU layout is the same: (request, reason).
+        self._whys: dict[int, tuple[SliceRequest, str]] = {}
+        self._whys_layout: GpuLayout | None = None
 
     def schedule(self, snapshot: ClusterSnapshot) -> list[Decision]:
         """Run one cycle; returns the decisions in the order they should be applied."""
@@ -431,7 +447,7 @@ class Scheduler:
             if try_preempt:
                 cyc.no_preempt[pkey] = _failed(cyc.no_preempt.get(pkey), ledger.frees, prio)
 
-        reason = self._why(cyc, req) if cached is None or cached[0] != ledger.frees else cached[1]
+        reason = self._reason(cyc, req) if cached is None or cached[0] != ledger.frees else cached[1]
         cyc.fail_cache[shape] = (ledger.frees, reason)
 
         # 4. Reserve GPUs for a job blocked for long: lower jobs only backfill elsewhere.
@@ -697,6 +713,25 @@ class Scheduler:
         cyc.decisions.append(Queue(view.name, reason))
         cyc.queued += 1
 
+    def _reason(self, cyc: _Cycle, req: SliceRequest) -> str:
+        """:meth:`_why`, kept from cycle to cycle per request object while the GPU layout is the
+        same: without node restrictions it depends only on the request and on how many schedulable
+        GPUs match it (fixed by the layout), except when none does (then GPU health is named)."""
+        if req.nodes:
+            return self._why(cyc, req)
+        layout = cyc.ledger.layout
+        if self._whys_layout is not layout:
+            self._whys, self._whys_layout = {}, layout
+        hit = self._whys.get(id(req))
+        if hit is not None and hit[0] is req:
+            return hit[1]
+        reason = self._why(cyc, req)
+        if cyc.ledger.matching_count(req) > 0:
+            if len(self._whys) > 4 * len(self._pend) + 1024:
+                self._whys = {}  # requests of jobs long gone
+            self._whys[id(req)] = (req, reason)
+        return reason
+
     def _why(self, cyc: _Cycle, req: SliceRequest) -> str:
         matching = cyc.ledger.matching_count(req)
         if matching == 0:
@@ -729,12 +764,19 @@ class Scheduler:
         now = cyc.snapshot.now
         jobs = cyc.snapshot.jobs
         keys = cyc.holder_keys
-        holders = [jobs[n] for n in cyc.ledger.holdings]
-        for v in holders:
-            if v.name not in keys:
-                keys[v.name] = victim_key(v, now)
-        holders.sort(key=lambda v: (v.spec.priority >= prio, keys[v.name]))
-        plan = plan_preemption(cyc.ledger, req, [v.name for v in holders])
+        holdings = cyc.ledger.holdings
+        if cyc.holder_order is None or cyc.holder_names != holdings.keys():
+            # Sorted once per cycle while the holders are the same (keys are unique: they end with the name).
+            for n in holdings:
+                if n not in keys:
+                    keys[n] = victim_key(jobs[n], now)
+            cyc.holder_order = sorted(holdings, key=keys.__getitem__)
+            cyc.holder_names = set(holdings)
+        order = cyc.holder_order
+        # Lower base priority first, then the victim order (a stable partition of the sorted holders).
+        victims = [n for n in order if jobs[n].spec.priority < prio]
+        victims += [n for n in order if jobs[n].spec.priority >= prio]
+        plan = plan_preemption(cyc.ledger, req, victims)
         return list(plan.gpus) if plan is not None else None
 
     # ------------------------------------------------------------------ nothing pending: give back
@@ -743,8 +785,9 @@ class Scheduler:
         ledger = cyc.ledger
         config = cyc.config
         jobs = cyc.snapshot.jobs
-        # Only granted jobs without a directive can deflate: filter before sorting the names.
-        for name in sorted(n for n, v in jobs.items() if v.allocations and v.directive is None):
+        # Only shared jobs holding a slice below their declared memory (the ledger's build noted
+        # them) and without a directive can deflate: filter before sorting the names.
+        for name in sorted(n for n in self._memo.below_quota if jobs[n].directive is None):
             if cyc.actions >= config.max_decisions:
                 return
             view = jobs[name]
