@@ -601,6 +601,7 @@ class PoolRuntime:
         self.lost_error = PoolLeaseLostError(self.job, dec.reason or self.inbox.lost_reason, path)
         self._closed = True  # nothing left to release
         self.signals.uninstall()
+        self.sharing.stop()  # no more turns on a GPU the job no longer holds
         return self.lost_error
 
     def finish(self, step: int, release: bool = True) -> None:
