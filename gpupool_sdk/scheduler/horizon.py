@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from gpupool_sdk.resources import JobState
 from gpupool_sdk.scheduler.ordering import remaining_gpu_s
-from gpupool_sdk.scheduler.types import ClusterSnapshot, SchedulerConfig
+from gpupool_sdk.scheduler.types import ClusterSnapshot, JobView, SchedulerConfig
 
 
 def time_dependent_order(config: SchedulerConfig) -> bool:
@@ -34,12 +34,51 @@ def time_dependent_order(config: SchedulerConfig) -> bool:
     return config.aging_s_per_priority > 0 or config.max_wait_s > 0 or config.las_promote_after_factor > 0
 
 
-def running_horizon(snapshot: ClusterSnapshot, config: SchedulerConfig, names: Iterable[str] | None = None) -> float:
+class HorizonMemo:
+    """What :func:`running_horizon` computes per job that does not depend on ``now``, kept from
+    cycle to cycle while the job's view is the same object and the config is the same (a memo of
+    a pure function: the horizon is the same with or without it)."""
+
+    def __init__(self) -> None:
+        self.config: SchedulerConfig | None = None
+        #: per job: (its view, directive deadline, granted_at, minimum run time, LAS delta).
+        self.parts: dict[str, tuple[JobView, float | None, float | None, float, float | None]] = {}
+
+
+def _parts(view: JobView, config: SchedulerConfig) -> tuple[JobView, float | None, float | None, float, float | None]:
+    """``view``'s timed rules: directive deadline, grant time and minimum run time (when it runs),
+    and the seconds until its next LAS queue crossing from any ``now`` (None: none)."""
+    d = view.directive
+    deadline = d.deadline if d is not None else None
+    if not view.allocations or view.state is not JobState.GRANTED:
+        return (view, deadline, None, 0.0, None)
+    guard = max(view.spec.min_runtime_s, config.min_runtime_s)
+    thresholds = config.las_threshold_gpu_s
+    delta = None
+    if thresholds:
+        compute = sum(a.compute_share for a in view.allocations)
+        if compute > 0:
+            rem = remaining_gpu_s(view) if config.use_remaining else None
+            if rem is not None:
+                q = bisect.bisect_right(thresholds, rem)
+                if q > 0:
+                    delta = (rem - thresholds[q - 1]) / compute
+            else:
+                q = bisect.bisect_right(thresholds, view.attained_gpu_s)
+                if q < len(thresholds):
+                    delta = (thresholds[q] - view.attained_gpu_s) / compute
+    return (view, deadline, view.granted_at, guard, delta)
+
+
+def running_horizon(
+    snapshot: ClusterSnapshot, config: SchedulerConfig, names: Iterable[str] | None = None, memo: HorizonMemo | None = None
+) -> float:
     """The first instant after ``snapshot.now`` at which a rule about running jobs or directives
     changes its answer (deadlines, minimum run times, LAS queue crossings); ``math.inf`` if none.
 
     ``names``: the jobs to look at (the scheduler passes those holding allocations, which are the
-    only ones with directives or run times); default every job of the snapshot.
+    only ones with directives or run times); default every job of the snapshot. ``memo`` (kept by
+    a :class:`~gpupool_sdk.scheduler.policy.Scheduler`) reuses each unchanged view's parts.
 
     Example:
         >>> from gpupool_sdk.resources import Allocation, JobSpec, QoS
@@ -48,37 +87,34 @@ def running_horizon(snapshot: ClusterSnapshot, config: SchedulerConfig, names: I
         >>> v = JobView(spec=JobSpec(name="a", memory="1GiB"), state=JobState.GRANTED, allocations=(a,),
         ...             granted_at=0.0, attained_gpu_s=600.0)
         >>> snap = ClusterSnapshot(now=600.0, gpus={}, jobs={"a": v})
-        >>> running_horizon(snap, SchedulerConfig(las_threshold_gpu_s=(3600.0,)))
+        >>> running_horizon(snap, SchedulerConfig(las_threshold_gpu_s=(3600.0,), aging_s_per_priority=0, max_wait_s=0))
         3600.0
     """
     now = snapshot.now
     if time_dependent_order(config):
         return now
-    thresholds = config.las_threshold_gpu_s
+    memo = memo if memo is not None else HorizonMemo()
+    old = memo.parts if memo.config is config else {}
+    new: dict[str, tuple[JobView, float | None, float | None, float, float | None]] = {}
     until = math.inf
+    delta = math.inf
     jobs = snapshot.jobs
-    for view in jobs.values() if names is None else (jobs[n] for n in names if n in jobs):
-        d = view.directive
-        if d is not None and d.deadline > now:
-            until = min(until, d.deadline)
-        if not view.allocations or view.state is not JobState.GRANTED:
+    for name in jobs if names is None else names:
+        view = jobs.get(name)
+        if view is None:
             continue
-        if view.granted_at is not None:
-            guard = max(view.spec.min_runtime_s, config.min_runtime_s)
-            if guard > 0 and now - view.granted_at < guard:
-                until = min(until, view.granted_at + guard)
-        if not thresholds:
-            continue
-        compute = sum(a.compute_share for a in view.allocations)
-        if compute <= 0:
-            continue
-        rem = remaining_gpu_s(view) if config.use_remaining else None
-        if rem is not None:
-            q = bisect.bisect_right(thresholds, rem)
-            if q > 0:
-                until = min(until, now + (rem - thresholds[q - 1]) / compute)
-        else:
-            q = bisect.bisect_right(thresholds, view.attained_gpu_s)
-            if q < len(thresholds):
-                until = min(until, now + (thresholds[q] - view.attained_gpu_s) / compute)
+        p = old.get(name)
+        if p is None or p[0] is not view:
+            p = _parts(view, config)
+        new[name] = p
+        _v, deadline, granted_at, guard, step = p
+        if deadline is not None and deadline > now:
+            until = min(until, deadline)
+        if granted_at is not None and guard > 0 and now - granted_at < guard:
+            until = min(until, granted_at + guard)
+        if step is not None and step < delta:
+            delta = step
+    memo.config, memo.parts = config, new
+    if delta < math.inf:
+        until = min(until, now + delta)
     return max(until, now)

@@ -35,7 +35,7 @@ from gpupool_sdk.resources import DirectiveKind, JobSpec, JobState, QoS
 from gpupool_sdk.resources.units import format_size
 from gpupool_sdk.scheduler.filter import SliceRequest, fits, predicted_peak, request_for, unschedulable_reason
 from gpupool_sdk.scheduler.health import health_preemptions, unusable_gpus
-from gpupool_sdk.scheduler.horizon import running_horizon, time_dependent_order
+from gpupool_sdk.scheduler.horizon import HorizonMemo, running_horizon, time_dependent_order
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.locality import broken_gangs, gang_problem, node_wait_reason
 from gpupool_sdk.scheduler.ordering import (
@@ -248,6 +248,7 @@ class Scheduler:
         #: the GPU layout is the same: (request, reason).
         self._whys: dict[int, tuple[SliceRequest, str]] = {}
         self._whys_layout: GpuLayout | None = None
+        self._horizon = HorizonMemo()
 
     def schedule(self, snapshot: ClusterSnapshot) -> list[Decision]:
         """Run one cycle; returns the decisions in the order they should be applied."""
@@ -374,7 +375,8 @@ class Scheduler:
             self._grow_fresh(cyc)
             self._resize_up(cyc)
         # Only jobs holding allocations (memo.held) or with a directive in flight have timed rules.
-        valid_until = min(cyc.until, running_horizon(snapshot, config, self._memo.held.keys() | proto.busy))
+        held = self._memo.held.keys() | proto.busy
+        valid_until = min(cyc.until, running_horizon(snapshot, config, held, self._horizon))
         return ScheduleResult(tuple(cyc.decisions), considered=considered, valid_until=valid_until)
 
     # ------------------------------------------------------------------ one pending job
