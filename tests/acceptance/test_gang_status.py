@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -53,10 +54,11 @@ def _join(pool: Pool, job: Job, node: str, rank: int, lease: int) -> None:
     assert pool.store.create(pool.keys.job_member(job.name, node), m, lease=lease)
 
 
-def _status_json(pool: Pool) -> dict:  # type: ignore[type-arg]
+def _status_json(pool: Pool) -> dict[str, Any]:
     r = gpupool("status", "-o", "json", *_opts(pool))
     assert r.returncode == EXIT_OK, explain(r)
-    return json.loads(r.stdout)  # type: ignore[no-any-return]
+    doc: dict[str, Any] = json.loads(r.stdout)
+    return doc
 
 
 def test_status_and_describe_show_the_gangs_members_and_their_slices(two_nodes: Pool, tmp_path: Path) -> None:
