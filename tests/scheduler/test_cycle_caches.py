@@ -8,7 +8,9 @@ snapshots (fixed seeds):
 * :meth:`~gpupool_sdk.scheduler.preempt.VictimIndex.hopeless` skips searches that cannot succeed,
   remembering failed requests for larger ones later in the cycle;
 * a :class:`~gpupool_sdk.scheduler.Scheduler` reuses the GPU layout, unchanged jobs' holdings,
-  and each unchanged pending job's request, reject check and sort key from its previous cycle;
+  each unchanged pending job's request, reject check, sort key and queue reason, and each
+  unchanged running job's timed rules for ``valid_until`` from its previous cycle (the horizon
+  is compared too);
 * a placement that failed answers any later request of the cycle with the same constraints
   asking at least as much (``policy._no_place_key``), until capacity is freed.
 
@@ -34,13 +36,13 @@ from gpupool_sdk.resources import Ack, Allocation, Directive, DirectiveKind, GiB
 from gpupool_sdk.scheduler import (
     Balloon,
     ClusterSnapshot,
-    Decision,
     Grant,
     JobView,
     Preempt,
     Resize,
     Scheduler,
     SchedulerConfig,
+    ScheduleResult,
 )
 from gpupool_sdk.scheduler import policy as policy_mod
 from gpupool_sdk.scheduler import preempt as preempt_mod
@@ -175,14 +177,14 @@ def _plain_options(
     return list(_completion_groups(self.ledger, req, names, self.targets, respect_blocks=False))
 
 
-def _reference(snap: ClusterSnapshot, cfg: SchedulerConfig) -> list[Decision]:
+def _reference(snap: ClusterSnapshot, cfg: SchedulerConfig) -> ScheduleResult:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(VictimIndex, "hopeless", lambda self, req, top, las=None: False)
         mp.setattr(VictimIndex, "_options", _plain_options)
         mp.setattr(policy_mod, "_no_place_key", lambda req: None)  # every placement tried
         PLACES["who"] = "reference"
         try:
-            return Scheduler(cfg).schedule(snap)
+            return Scheduler(cfg).run(snap)
         finally:
             PLACES["who"] = "other"
 
@@ -219,9 +221,12 @@ def test_cycle_caches_decide_like_the_plain_searches(monkeypatch: pytest.MonkeyP
         for snap in (first, second):
             want = _reference(snap, cfg)
             PLACES["who"] = "fast"
-            got = fast.schedule(snap)
+            result = fast.run(snap)
             PLACES["who"] = "other"
-            assert got == want, f"seed {seed}, now {snap.now}"
+            got = list(result.decisions)
+            assert got == list(want.decisions), f"seed {seed}, now {snap.now}"
+            # The horizon (its per-view memo carried over too) is the fresh scheduler's.
+            assert result.valid_until == want.valid_until, f"seed {seed}, now {snap.now}"
             for d in got:
                 kinds[type(d).__name__] = kinds.get(type(d).__name__, 0) + 1
                 if isinstance(d, Resize) and d.for_job is not None:
