@@ -143,3 +143,70 @@ def test_a_resize_under_gpupool_run_checkpoints_acks_and_keeps_the_lease(clean_e
         assert not srv.released_by_child.is_set()
     finally:
         srv.close()
+
+
+class DirectLease:
+    """A lease the process holds itself (what ``PoolClient.acquire`` returns), recording what it is asked."""
+
+    job = "el"
+    etcd_lease_hex = "5ceda23bdfd11253"
+    lost = False
+    allocations = ()
+
+    def __init__(self) -> None:
+        self.queue: list[Directive] = []
+        self.ready = threading.Event()
+        self.acks: list[dict[str, Any]] = []
+        self.released = False
+
+    def device_indices(self) -> list[str]:
+        return []
+
+    def directives(self) -> Any:
+        self.ready.wait()
+        yield from self.queue
+
+    def add_lost_callback(self, cb: Any) -> None:
+        pass
+
+    def ack(self, directive: Directive, **kw: Any) -> None:
+        self.acks.append({"seq": directive.seq, "kind": directive.kind, **kw})
+
+    def publish_telemetry(self, summary: Any) -> None:
+        pass
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        return True
+
+    def release(self) -> None:
+        self.released = True
+
+
+class DirectClient:
+    def __init__(self, lease: DirectLease) -> None:
+        self.lease = lease
+
+    def acquire(self, spec: JobSpec, timeout: float | None = None, on_status: Any = None) -> DirectLease:
+        assert not spec.is_elastic
+        return self.lease
+
+    def resume_info(self, job: str) -> None:
+        return None
+
+
+def test_a_resize_written_by_hand_to_a_direct_lease_is_a_preemption(clean_env: Any, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The coordinator never resizes a rigid job; a resize that reaches a direct lease anyway can only
+    end with the process (its lease with it): checkpoint, ack, release, stop, with a warning."""
+    lease = DirectLease()
+    rt = PoolRuntime(RuntimeOptions(memory="1GiB", name="el", checkpoint_dir=tmp_path), client=DirectClient(lease))
+    rt.acquire()
+    lease.queue.append(Directive(kind=DirectiveKind.RESIZE, seq=5, deadline=time.time() + 60, target={"gpus": 2}))
+    lease.ready.set()
+    wait_for(lambda: rt.inbox.attention, 10.0, what="the resize to reach the runtime")
+    with caplog.at_level("WARNING", logger="gpupool_sdk.runtime"):
+        dec = rt.step_boundary(lambda: 4, lambda p: Path(p).write_text("ckpt"))
+    assert dec.kind is DecisionKind.RESIZE and rt.preempted
+    assert lease.acks and lease.acks[0]["seq"] == 5 and lease.acks[0]["checkpoint"] == rt.resume_from
+    assert lease.released
+    assert "resize directive on a direct lease; handled as a preemption" in caplog.text
