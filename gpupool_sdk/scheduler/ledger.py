@@ -198,6 +198,48 @@ class Ledger:
         self._match_cache: dict[tuple[tuple[str, ...], str | None], list[_ClassIndex]] = {}
         self._count_cache: dict[tuple[tuple[str, ...], str | None], int] = {}
 
+    def clone(self) -> Ledger:
+        """An independent copy: every later change to either leaves the other as it was.
+
+        Holdings lists are shared (the ledger never changes one in place: :meth:`reserve` makes a
+        new list); loads, indexes, groups and reservations are copied.
+        """
+        new = Ledger.__new__(Ledger)
+        new.layout = self.layout
+        new.spread_idle_above = self.spread_idle_above
+        new.gpus = self.gpus
+        new.index_of = self.index_of
+        new.ratio = self.ratio
+        new.loads = list(map(GpuLoad.copy, self.loads))
+        new.schedulable = self.schedulable
+        new.nodes = self.nodes
+        new.islands = self.islands
+        new.max_island = self.max_island
+        new.holdings = dict(self.holdings)
+        new.groups = {g: Counter(c) for g, c in self.groups.items()}
+        new.group_of = dict(self.group_of)
+        new.blocked = dict(self.blocked)
+        new.blocked_jobs = set(self.blocked_jobs)
+        new.frees = self.frees
+        twin: dict[int, _ClassIndex] = {}
+        new._classes = {}
+        for key, cls in self._classes.items():
+            c = _ClassIndex(cls.model, cls.features, cls.phys)
+            c.empty = list(cls.empty)
+            c.part_g = [list(lst) for lst in cls.part_g]
+            c.part_s = list(cls.part_s)
+            c.max_island = cls.max_island
+            c.size = cls.size
+            new._classes[key] = twin[id(cls)] = c
+        new._class_of = [None if c is None else twin[id(c)] for c in self._class_of]
+        new._key_empty = list(self._key_empty)
+        new._key_g = list(self._key_g)
+        new._bucket_g = list(self._bucket_g)
+        new._key_s = list(self._key_s)
+        new._match_cache = {k: [twin[id(c)] for c in v] for k, v in self._match_cache.items()}
+        new._count_cache = dict(self._count_cache)
+        return new
+
     # ------------------------------------------------------------------ accounting
 
     def __len__(self) -> int:
@@ -210,7 +252,9 @@ class Ledger:
         """
         if not holdings:
             return
-        held = self.holdings.setdefault(job, [])
+        # A new list every time: a clone shares its holdings lists with its origin (see :meth:`clone`).
+        held = list(self.holdings.get(job, ()))
+        self.holdings[job] = held
         for h in holdings:
             held.append(h)
             self.loads[h.gpu].add(h.qos, h.memory, h.compute, h.peak)
