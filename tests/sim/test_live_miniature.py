@@ -2,11 +2,12 @@
 
 The end-to-end test runs the 30 jobs of ``tests/data/live_miniature.csv`` as real processes
 against a real coordinator and agent (one trace hour = 5 s) and the same compressed trace
-through the simulator with the same policy file. The bounds are rank agreements, not times;
-they are set from the runs measured in ``docs/simulation.md`` section 8 (finish-order Kendall
-tau 0.90-0.95 and 13-17 preemptions against the simulator's 17, on the shared 2-core machine at
-load 12-19), with room for a slower machine. The coordinator as it was before the estimate was kept
-across preemptions measured tau 0.68 and 91 preemptions: both assertions catch that.
+through the simulator with the same policy file. The bounds are rank agreements and counts, not
+times, set from the runs measured in ``docs/simulation.md`` section 8 (11 runs on the shared
+2-core machine at load 8-20: finish-order Kendall tau 0.70-0.95, start-order tau >= 0.97, pairs
+finishing more than an hour apart in the simulator in the same order 0.88-0.99, 16-22
+preemptions against the simulator's 17). The coordinator as it was before a preempted job's
+estimate was kept measured tau 0.68 and 91 preemptions: the preemption bound catches that.
 
 The other tests check the pieces without processes: the compression of the trace and of the
 policy file, the job processes' estimate formula against the simulator's, and the rank statistics.
@@ -114,8 +115,9 @@ def test_a_live_pool_in_miniature_orders_jobs_like_the_simulator(etcd_endpoint: 
     assert c["finish_pairs_separated"]["same"] >= 0.8, summary
     # Preemptions: as many as the simulator's within a factor of 2 (no back-and-forth preempting).
     assert c["preemptions_sim"] / 2 <= c["preemptions_live"] <= 2 * c["preemptions_sim"], summary
-    # The live order is the simulated gpupool's, not another policy's, nor gpupool's on other
-    # information (no estimates, other estimate draws): closer to it than to any of those.
+    # The live order is the simulated gpupool's, not another policy's: closer to it than to the
+    # order FIFO, Tiresias, Gandiva or best-fit give in the simulator (measured margin 0.10-0.26;
+    # gpupool without estimates or with other estimate draws is only reported: margin 0.08-0.2).
     tau = c["finish_order"]["kendall_tau"]
-    closest_other = max(report["live_vs_others_tau"].items(), key=lambda kv: kv[1])
-    assert tau > closest_other[1], f"{summary}\nlive order closer to simulated {closest_other}"
+    closest = max(((k, report["live_vs_others_tau"][k]) for k in lm.BASELINES), key=lambda kv: kv[1])
+    assert tau > closest[1], f"{summary}\nlive order closer to simulated {closest}"
