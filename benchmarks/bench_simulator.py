@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import random
 import tempfile
 import time
@@ -100,6 +101,7 @@ def run() -> dict[str, Any]:
                 "gpu_alloc_util": round(m["gpu_alloc_util"], 3),
             }
     out["congested"] = run_congested()
+    out["load_avg_1m"] = round(os.getloadavg()[0], 1)  # other work on the machine while measuring
     return out
 
 
