@@ -56,6 +56,8 @@ def test_status_piped_through_cat_has_no_box_drawing(granted: Pool) -> None:
 @pytest.mark.parametrize("argv", [["top"], ["metrics", "report"], ["job", "list"]])
 def test_other_tables_piped_through_cat_are_plain_aligned_columns(granted: Pool, argv: list[str]) -> None:
     """``top``, ``metrics report`` and ``job list`` print through the same table code as ``status``."""
+    if argv[0] == "metrics":  # the report lists jobs with a usage record: the coordinator writes it after a grant
+        wait_for(lambda: granted.store.get(granted.keys.usage("cli-bert")), 60, "cli-bert's usage record")
     cmd = " ".join([sys.executable, "-m", "gpupool_sdk.cli.main", *argv, *_opts(granted), "|", "cat"])
     r = subprocess.run(cmd, shell=True, capture_output=True, text=True, cwd=ROOT, timeout=90)
     assert r.returncode == 0, r.stderr
