@@ -14,7 +14,6 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,7 +60,7 @@ def _status_json(pool: Pool) -> dict[str, Any]:
     return doc
 
 
-def test_status_and_describe_show_the_gangs_members_and_their_slices(two_nodes: Pool, tmp_path: Path) -> None:
+def test_status_and_describe_show_the_gangs_members_and_their_slices(two_nodes: Pool) -> None:
     pool = two_nodes
     gang = Job(pool, JobSpec(name="llm", gpus=4, nodes=2, memory="10Gi", owner="nlp"))
     pool.jobs.append(gang)
