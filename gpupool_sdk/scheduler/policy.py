@@ -950,6 +950,13 @@ class Scheduler:
 def _regrow(ledger: Ledger, name: str, req: SliceRequest, have: int) -> list[Holding] | None:
     """Re-place ``name`` with ``req`` (more than ``have`` slices) in place of what it holds; its
     new holdings are reserved, or None (and its old ones kept) when no larger placement exists."""
+    if req.anti_affinity is None and not req.per_node:
+        # More than ``have`` distinct GPUs need one outside its own, and there its own holdings
+        # change nothing (same load, reservations and node filter): if none of them takes a slice
+        # now, none will once it is un-reserved. Skips the un-reserve / place / restore.
+        own = {h.gpu for h in ledger.holdings.get(name, ())}
+        if not any(i not in own for i in ledger.candidates(req)):
+            return None
     old = ledger.unreserve(name)
     gpus = place(ledger, req)
     if gpus is None or len(gpus) <= have:
