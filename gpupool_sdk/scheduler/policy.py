@@ -395,7 +395,7 @@ class Scheduler:
         considered = 0
         max_decisions = config.max_decisions
         cut = f"queued: not considered this cycle (max_decisions={max_decisions} reached)"
-        for view, req in ordered:
+        for _key, view, req in ordered:
             if cyc.actions >= max_decisions:
                 cyc.decisions.append(Queue(view.name, cut))
                 cyc.queued += 1
@@ -500,18 +500,20 @@ class Scheduler:
                 cyc.until = min(cyc.until, now + config.reserve_after_s - waited)
         self._queue(cyc, view, reason)
 
-    def _order(self, live: list[tuple[JobView, SliceRequest]], now: float) -> list[tuple[JobView, SliceRequest]]:
-        """``live`` (pending jobs with their requests) in the order of :func:`order_pending`, with
+    def _order(
+        self, live: list[tuple[JobView, SliceRequest]], now: float
+    ) -> list[tuple[object, JobView, SliceRequest]]:
+        """``live`` (pending jobs with their requests) as ``(key, view, request)`` in the order of :func:`order_pending`, with
         each pending job's key kept from cycle to cycle while the order does not move with time and
         the job's spec, attained and remaining service are unchanged."""
         config = self.config
         if time_dependent_order(config):
             self._keys = {}
             reqs = {v.name: r for v, r in live}
-            return [(v, reqs[v.name]) for v in order_pending((v for v, _ in live), now, config)]
+            return [(None, v, reqs[v.name]) for v in order_pending((v for v, _ in live), now, config)]
         old = self._keys
         new: dict[str, tuple[JobSpec, float, float | None, int, tuple[object, ...]]] = {}
-        keyed: list[tuple[tuple[object, ...], JobView, SliceRequest]] = []
+        keyed: list[tuple[object, JobView, SliceRequest]] = []
         for v, r in live:
             if v.allocations:  # a resized job re-placed: its rank uses the compute it holds
                 keyed.append((sort_key(v, now, config), v, r))
@@ -519,14 +521,15 @@ class Scheduler:
             spec, attained, remaining, order = v.spec, v.attained_gpu_s, v.remaining_s, v.order
             hit = old.get(spec.name)
             if hit is not None and hit[0] is spec and hit[1] == attained and hit[2] == remaining and hit[3] == order:
-                key = hit[4]
+                new[spec.name] = hit
+                keyed.append((hit[4], v, r))
             else:
                 key = sort_key(v, now, config)
-            new[spec.name] = (spec, attained, remaining, order, key)
-            keyed.append((key, v, r))
+                new[spec.name] = (spec, attained, remaining, order, key)
+                keyed.append((key, v, r))
         self._keys = new
         keyed.sort(key=itemgetter(0))
-        return [(v, r) for _, v, r in keyed]
+        return keyed
 
     def _pinned(self, cyc: _Cycle, req: SliceRequest, keep: list[int]) -> list[int] | None:
         """The GPUs a shrunk job kept, when each still takes a slice of ``req`` (else None: it is
