@@ -48,10 +48,12 @@ import json
 import math
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -565,8 +567,11 @@ def run_live(
                 argv = [sys.executable, str(Path(__file__).resolve()), "job", str(plan_path), str(events),
                         "--endpoints", ep, "--prefix", prefix]
                 jobs.append(procs.start(f"job-{plan.name}", argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+            ready_by = time.monotonic() + 60.0 + 5.0 * len(plans)  # 30 interpreters starting on 2 busy cores
             for p, plan in zip(jobs, plans, strict=True):
                 assert p.stdout is not None
+                if not select.select([p.stdout], [], [], max(0.0, ready_by - time.monotonic()))[0]:
+                    raise TimeoutError(f"job process {plan.name} not ready in time (see {workdir}/job-{plan.name}.log)")
                 line = p.stdout.readline()
                 if line.strip() != b"ready":
                     raise RuntimeError(f"job process {plan.name} did not start (see {workdir}/job-{plan.name}.log)")
@@ -620,6 +625,14 @@ def job_main(plan_path: str, events_path: str, endpoints: str, prefix: str) -> i
     from gpupool_sdk.store.codec import decode, encode
     from gpupool_sdk.telemetry.summary import TelemetrySummary
 
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the runner died without stopping us: leave (the lease expires)
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=orphaned, name="orphan-watch", daemon=True).start()
     raw = json.loads(Path(plan_path).read_text())
     plan = JobPlan(**raw)
     spec = decode("spec", encode(plan.spec, kind="JobSpec"), JobSpec)
