@@ -108,6 +108,26 @@ def synth_workload(path: Path, jobs: int = 30, seed: int = 14) -> None:
             t += rng.expovariate(1 / 600.0)
 
 
+def check_workload(trace: Any) -> None:
+    """Refuse rows the job processes cannot run like the simulator does.
+
+    Raises:
+        ConfigError: a row asks a fraction of a GPU (a live job does not slow down when it shares a
+            GPU, so the simulator's colocation model would not be compared like for like) or is
+            elastic (the job processes do not resize); the message names the row and the column.
+    """
+    from gpupool_sdk.errors import ConfigError
+
+    for j in trace.jobs:
+        if j.gpu_fraction < 1.0:
+            raise ConfigError("trace", f"{trace.path} row {j.row}, column 'gpu_fraction': the miniature runs whole-GPU "
+                              f"jobs only (a live job does not model colocation slowdown), got {j.gpu_fraction:g}; "
+                              "use a trace with gpu_fraction 1.0")
+        if j.is_elastic:
+            raise ConfigError("trace", f"{trace.path} row {j.row}, column 'extra': min_gpu=/max_gpu= (elastic) is not "
+                              "supported by the miniature's job processes; remove them")
+
+
 def compress_trace(src: Path, dst: Path, factor: float) -> None:
     """Write ``src`` to ``dst`` with every ``submit_s`` and run time divided by ``factor``.
 
@@ -117,6 +137,7 @@ def compress_trace(src: Path, dst: Path, factor: float) -> None:
     from gpupool_sdk.sim import load_trace
 
     trace = load_trace(src)
+    check_workload(trace)
     with dst.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["job_id", "source", "submit_s", "duration_s", "num_gpu", "gpu_fraction", "priority", "extra"])
@@ -740,10 +761,11 @@ def run(
         loop_wait_s: the coordinator's ``--loop-wait``.
         timeout_s: bound on the live run.
     """
+    from gpupool_sdk.errors import ConfigError
     from gpupool_sdk.scheduler.config import load_policy_config
 
     if not (hour_s > 0 and math.isfinite(hour_s)):
-        raise ValueError(f"hour_s must be real seconds > 0 per trace hour, got {hour_s}")
+        raise ConfigError("--hour-s", f"must be real seconds > 0 per trace hour (5 = a factor of 720), got {hour_s}")
     factor = 3600.0 / hour_s
     workdir = workdir or Path(tempfile.mkdtemp(prefix="gpupool-miniature-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,21 @@ def test_the_scaled_policy_file_reads_back_exactly_with_only_durations_divided(t
     assert back.preempt_grace_s == DEFAULT_SCHEDULER.preempt_grace_s  # a real process's deadline: not scaled
 
 
+def test_a_trace_the_job_processes_cannot_run_is_refused_naming_row_and_column(tmp_path: Path) -> None:
+    from gpupool_sdk.errors import ConfigError
+
+    shared = tmp_path / "shared.csv"
+    shared.write_text("job_id,submit_s,duration_s,num_gpu,gpu_fraction\na,0,60,1,1.0\nb,5,60,1,0.5\n")
+    with pytest.raises(ConfigError, match=r"row 3, column 'gpu_fraction'.*whole-GPU"):
+        lm.compress_trace(shared, tmp_path / "out.csv", 720.0)
+    elastic = tmp_path / "elastic.csv"
+    elastic.write_text("job_id,submit_s,duration_s,num_gpu,gpu_fraction,extra\na,0,60,2,1.0,min_gpu=1\n")
+    with pytest.raises(ConfigError, match=r"row 2, column 'extra'.*elastic"):
+        lm.compress_trace(elastic, tmp_path / "out.csv", 720.0)
+    with pytest.raises(ConfigError, match="--hour-s"):
+        lm.run(hour_s=0.0, workdir=tmp_path)
+
+
 def test_the_job_processes_estimate_is_the_simulators(tmp_path: Path) -> None:
     from gpupool_sdk.inventory.simulated import parse_cluster_spec
     from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
