@@ -130,9 +130,10 @@ def test_a_live_pool_in_miniature_orders_jobs_like_the_simulator(etcd_endpoint: 
     assert c["finish_pairs_separated"]["same"] >= 0.8, summary
     # Preemptions: as many as the simulator's within a factor of 2 (no back-and-forth preempting).
     assert c["preemptions_sim"] / 2 <= c["preemptions_live"] <= 2 * c["preemptions_sim"], summary
-    # The live order is the simulated gpupool's, not another policy's: closer to it than to the
-    # order FIFO, Tiresias, Gandiva or best-fit give in the simulator (measured margin 0.10-0.38;
-    # gpupool without estimates or with other estimate draws is only reported: margin 0.08-0.23).
+    # The live order is the simulated gpupool's, not another policy's: closer to it (Kendall tau)
+    # than to the order FIFO, Tiresias (LAS without estimates) or best-fit give in the simulator.
+    # Smallest margins over 16 runs: FIFO 0.34, best-fit 0.30, Tiresias 0.14. Gandiva's (0.08) and
+    # gpupool's on other information (0.06) are closer: reported, not asserted (docs section 8).
     tau = c["finish_order"]["kendall_tau"]
-    closest = max(((k, report["live_vs_others_tau"][k]) for k in lm.BASELINES), key=lambda kv: kv[1])
+    closest = max(((k, report["live_vs_others_tau"][k]) for k in ("fifo", "tiresias", "bestfit")), key=lambda kv: kv[1])
     assert tau > closest[1], f"{summary}\nlive order closer to simulated {closest}"
