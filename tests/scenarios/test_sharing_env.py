@@ -95,3 +95,30 @@ def test_a_direct_lease_puts_the_mps_env_into_its_process_before_cuda(pool: Pool
     child = _line(r.stdout, "CHILD")
     assert child["CUDA_MPS_PIPE_DIRECTORY"] == pipe and child["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     assert child["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
+
+
+ATTACHED = """
+import json
+from gpupool_sdk.runtime import PoolRuntime, RuntimeOptions
+rt = PoolRuntime(RuntimeOptions(preempt_signals=()))
+rt.acquire()  # attached to the launcher: reads its plan from $GPUPOOL_SHARING
+rt.start_training()
+rt.sharing.wait_started(60)
+gate = rt.sharing.gate
+print("GATE " + json.dumps({"mechanism": rt.sharing.plan.mechanism, "running": gate is not None,
+                            "gpu": rt.sharing.plan.gpu_uuid, "share": rt.sharing.plan.compute_share}))
+rt.finish(0)
+"""
+
+
+def test_under_gpupool_run_the_script_runs_the_gate_from_the_launchers_plan(pool: Pool, tmp_path: Path) -> None:
+    _start(pool, tmp_path, mps=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpupool_sdk.cli.main", "run", "--name", "attached-job", "--gpus", "1", "--memory",
+         "10GiB", "--qos", "guaranteed", "--compute-share", "0.4", "--acquire-timeout", "60", "--",
+         sys.executable, "-c", ATTACHED],
+        env=_env(pool), capture_output=True, text=True, cwd=ROOT, timeout=180,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = _line(r.stdout, "GATE")
+    assert got == {"mechanism": "timeslice", "running": True, "gpu": pool.gpu_uuids()[0], "share": 0.4}, got
