@@ -571,7 +571,8 @@ class Scheduler:
     def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
         jobs = cyc.snapshot.jobs
         if cyc.balloonable is None:
-            targets = balloon_targets(jobs.values(), float("inf"), cyc.config, cyc.busy)
+            # Only jobs holding allocations can be ballooned (not the whole queue, every cycle).
+            targets = balloon_targets((v for v, _ in self._memo.held.values()), float("inf"), cyc.config, cyc.busy)
             pool = sorted((jobs[n].spec.priority, n) for n in targets)
             cyc.balloonable = VictimIndex(cyc.ledger, [(n, float(p)) for p, n in pool], targets)
         if not cyc.balloonable or cyc.balloonable.hopeless(req, balloon_bound(prio)):
@@ -607,7 +608,8 @@ class Scheduler:
         now = cyc.snapshot.now
         config = cyc.config
         if cyc.victims is None:
-            pool = victim_pool(cyc.snapshot.jobs.values(), now, config, cyc.ledger)
+            # Victims hold allocations in the snapshot (this cycle's grants are not GRANTED yet).
+            pool = victim_pool((v for v, _ in self._memo.held.values()), now, config, cyc.ledger)
             standing: dict[str, tuple[int, int]] = {}
             if config.las_threshold_gpu_s and config.las_preempt:
                 for v in pool:
