@@ -25,7 +25,7 @@ def test_defaults_are_the_measured_policy_and_the_simulators() -> None:
     assert cfg.scheduler == DEFAULT_SCHEDULER
     assert DEFAULT_POOL_CONFIG is DEFAULT_SCHEDULER  # the simulator runs what a deployment runs
     s = cfg.scheduler
-    assert s.las_threshold_gpu_s == (3600.0, 36000.0) and s.las_preempt and s.use_remaining
+    assert s.las_threshold_gpu_s == (1800.0, 18000.0, 180000.0) and s.las_preempt and s.use_remaining
     assert s.overcommit_ratio == 1.5 and s.aging_s_per_priority == 0 and s.max_wait_s == 0
     assert cfg.source == "defaults" and cfg.overridden == ()
 

@@ -61,7 +61,8 @@ def test_the_scaled_policy_file_reads_back_exactly_with_only_durations_divided(t
     lm.write_policy_file(scaled, path, "comment\nlines")
     back = load_policy_config(path).scheduler
     assert back == scaled
-    assert back.las_threshold_gpu_s == (5.0, 50.0) and back.reserve_after_s == DEFAULT_SCHEDULER.reserve_after_s / 720
+    assert back.las_threshold_gpu_s == tuple(t / 720 for t in DEFAULT_SCHEDULER.las_threshold_gpu_s)
+    assert back.reserve_after_s == DEFAULT_SCHEDULER.reserve_after_s / 720
     assert back.preempt_grace_s == DEFAULT_SCHEDULER.preempt_grace_s  # a real process's deadline: not scaled
 
 
