@@ -317,6 +317,8 @@ def run_job(
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
             # MPS limits (CUDA reads them once, at its start) and the time-slicing plan: docs/sharing.md.
             env.update(launcher_environment(lease, client))
+            if security is not None:  # TLS and auth given as --etcd-* flags reach the script's own connections
+                env.update(security.environment())
             if endpoints:
                 env["GPUPOOL_ENDPOINTS"] = endpoints
             if prefix:

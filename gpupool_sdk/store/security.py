@@ -162,6 +162,33 @@ class EtcdSecurity:
             parts.append(f"user {self.user}")
         return ", ".join(parts)
 
+    def environment(self) -> dict[str, str]:
+        """The ``GPUPOOL_ETCD_*`` variables that make a child process resolve these same settings.
+
+        ``gpupool run`` passes them to the script it starts, so that settings given as flags reach
+        the script's own connections (its time-slicing gate, a direct client). A password read
+        from a file is passed as that file's path, never as its text; one given as an argument is
+        passed in ``GPUPOOL_ETCD_PASSWORD`` (the environment, unlike an argument, is private to
+        the user).
+
+        Example:
+            >>> EtcdSecurity(cacert="/etc/etcd/ca.pem", user="trainer").environment()
+            {'GPUPOOL_ETCD_CACERT': '/etc/etcd/ca.pem', 'GPUPOOL_ETCD_USER': 'trainer'}
+        """
+        env: dict[str, str] = {}
+        for name, var in (("cacert", CACERT_ENV), ("cert", CERT_ENV), ("key", KEY_ENV), ("user", USER_ENV)):
+            value = getattr(self, name)
+            if value:
+                env[var] = value
+        if self.password is not None:
+            origin = self.origin("password") or ""
+            flag = "--etcd-password-file "
+            if origin.startswith(flag):
+                env[PASSWORD_FILE_ENV] = origin[len(flag):]
+            elif not origin.startswith("$"):  # from the environment: the child inherits it as is
+                env[PASSWORD_ENV] = self.password
+        return env
+
     # ------------------------------------------------------------------ building
 
     @classmethod

@@ -290,6 +290,20 @@ def test_precedence_flag_then_gpupool_env_then_etcdctl_env(tmp_path: Path) -> No
 # ---------------------------------------------------------------------------------------- etcd auth
 
 
+def test_environment_hands_the_settings_on_without_the_password_text_when_it_came_from_a_file(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    sec = EtcdSecurity.resolve(cacert="/x/ca.pem", cert="/x/c.pem", key="/x/k.pem", user="trainer", password_file=pw, env={})
+    env = sec.environment()
+    assert env == {"GPUPOOL_ETCD_CACERT": "/x/ca.pem", "GPUPOOL_ETCD_CERT": "/x/c.pem", "GPUPOOL_ETCD_KEY": "/x/k.pem",
+                   "GPUPOOL_ETCD_USER": "trainer", "GPUPOOL_ETCD_PASSWORD_FILE": str(pw)}  # fmt: skip
+    assert EtcdSecurity.resolve(env=env) == sec  # the child resolves the same settings
+    # From the environment: inherited as is, not copied; as an argument: passed in the environment.
+    assert "GPUPOOL_ETCD_PASSWORD" not in EtcdSecurity.resolve(env={"GPUPOOL_ETCD_USER": "u", "GPUPOOL_ETCD_PASSWORD": "p"}).environment()
+    assert EtcdSecurity.resolve(user="u", password="p", env={}).environment()["GPUPOOL_ETCD_PASSWORD"] == "p"
+    assert EtcdSecurity().environment() == {}
+
+
 def test_right_password_reads_writes_leases_and_watches(auth_etcd: EtcdServer, pki: Pki) -> None:
     sec = EtcdSecurity(cacert=pki.ca, user="alice", password=ALICE_PW)
     with open_store(auth_etcd.client_url, sec) as store:
@@ -376,6 +390,21 @@ TRAINER = textwrap.dedent(
 )
 
 
+RUN_PROBE = textwrap.dedent(
+    """
+    import json, os
+    from gpupool_sdk.store import EtcdStore
+    from gpupool_sdk.store.keyspace import Keyspace
+
+    # A connection of the script's own (as its time-slicing gate opens): endpoints, prefix and
+    # TLS settings come from the environment gpupool run gave it.
+    store = EtcdStore(os.environ["GPUPOOL_ENDPOINTS"], keyspace=Keyspace.from_env(None))
+    print(json.dumps({"spec_seen": store.get(store.keys.job_spec(os.environ["GPUPOOL_JOB"])) is not None}), flush=True)
+    store.close()
+    """
+)
+
+
 def test_pool_client_acquires_a_lease_over_mutual_tls_from_the_environment(
     mtls_etcd: EtcdServer, mtls: EtcdSecurity, pki: Pki, tmp_path: Path
 ) -> None:
@@ -424,6 +453,13 @@ def test_pool_client_acquires_a_lease_over_mutual_tls_from_the_environment(
         trainer.stdin.flush()
         assert trainer.wait(60) == 0
         assert store.lease_info(report["lease"]) is None
+        # gpupool run given the settings as flags only: the script it starts reaches etcd with them.
+        probe = tmp_path / "probe.py"
+        probe.write_text(RUN_PROBE)
+        r = subprocess.run([*cli, "run", "--name", "tls-run", "--memory", "1GiB", *flags, "--", sys.executable, str(probe)],
+                           env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)  # fmt: skip
+        assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n{logs()}"
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == {"spec_seen": True}, r.stdout
     finally:
         if trainer is not None and trainer.poll() is None:
             trainer.kill()
