@@ -432,14 +432,20 @@ class Scheduler:
             nkey = _no_place_key(req) if generic else None
             failed = cyc.no_place.get(nkey) if nkey is not None else None
             frees = ledger.frees
+            memory, compute, peak, count = req.memory, req.compute, req.peak, req.min_count
             if not failed or not any(
-                f == frees and m <= req.memory and c <= req.compute and p <= req.peak and n <= req.min_count
-                for f, m, c, p, n in failed
+                f == frees and m <= memory and c <= compute and p <= peak and n <= count for f, m, c, p, n in failed
             ):
                 gpus = place(ledger, req)
                 if gpus is None and nkey is not None:
-                    entries = [e for e in (failed or ()) if e[0] == frees]
-                    entries.append((frees, req.memory, req.compute, req.peak, req.min_count))
+                    # Keep only the smallest failures (an antichain): one that asks at least as
+                    # much as this one answers nothing this one does not.
+                    entries = [
+                        e
+                        for e in (failed or ())
+                        if e[0] == frees and not (memory <= e[1] and compute <= e[2] and peak <= e[3] and count <= e[4])
+                    ]
+                    entries.append((frees, memory, compute, peak, count))
                     cyc.no_place[nkey] = entries
         if gpus is not None:
             self._grant(cyc, view, req, gpus)
