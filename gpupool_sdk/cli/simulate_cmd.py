@@ -61,8 +61,9 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--no-estimates", is_flag=True, default=False,
               help="Workload model: no job reports its remaining time (a pool without progress telemetry).")
 @click.option("--elastic", "elastic", default="", metavar="MIN_FRACTION[,MAX_FACTOR]",
-              help="gpupool only: every job asking n GPUs (without its own min_gpu=/max_gpu= in extra) may run "
-                   "on ceil(n*MIN_FRACTION) to floor(n*MAX_FACTOR) GPUs, e.g. 0.5,2; baselines keep n.")
+              help="gpupool only: every job asking n GPUs (without its own min_gpu=/max_gpu= in extra, and not an "
+                   "adaptive application row unless --rigid-applications) may run on ceil(n*MIN_FRACTION) to "
+                   "floor(n*MAX_FACTOR) GPUs, e.g. 0.5,2; baselines keep n.")
 @click.option("--rigid-applications", is_flag=True, default=False,
               help="Workload: rows of the adaptive Pollux/Sia applications (application= in extra) run on the "
                    "GPUs they ask, rigid (default: they may grow to 4x that under gpupool, as in Pollux and Sia).")
