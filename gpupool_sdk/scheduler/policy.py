@@ -284,6 +284,8 @@ class Scheduler:
         self._whys: dict[int, tuple[SliceRequest, str]] = {}
         self._whys_layout: GpuLayout | None = None
         self._horizon = HorizonMemo()
+        #: per running job in the last victim index: (view, running priority, LAS standing).
+        self._standings: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
 
     def schedule(self, snapshot: ClusterSnapshot) -> list[Decision]:
         """Run one cycle; returns the decisions in the order they should be applied."""
@@ -616,13 +618,23 @@ class Scheduler:
         if cyc.victims is None:
             # Victims hold allocations in the snapshot (this cycle's grants are not GRANTED yet).
             pool = victim_pool((v for v, _ in self._memo.held.values()), now, config, cyc.ledger)
+            use_las = bool(config.las_threshold_gpu_s and config.las_preempt)
+            # Running priority and LAS standing move with time only with aging, max_wait_s or
+            # promotion; otherwise each view's are kept from the last cycle that built the index.
+            old = self._standings if not time_dependent_order(config) else {}
+            new: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
             standing: dict[str, tuple[int, int]] = {}
-            if config.las_threshold_gpu_s and config.las_preempt:
-                for v in pool:
-                    st = las_standing(v, now, config)
-                    if st is not None:
-                        standing[v.name] = st
-            cyc.victims = VictimIndex(cyc.ledger, [(v.name, running_priority(v, now, config)) for v in pool], None, standing)
+            ranked: list[tuple[str, float]] = []
+            for v in pool:
+                hit = old.get(v.name)
+                if hit is None or hit[0] is not v:
+                    hit = (v, running_priority(v, now, config), las_standing(v, now, config) if use_las else None)
+                new[v.name] = hit
+                if hit[2] is not None:
+                    standing[v.name] = hit[2]
+                ranked.append((v.name, hit[1]))
+            self._standings = new
+            cyc.victims = VictimIndex(cyc.ledger, ranked, None, standing)
         if not cyc.victims or cyc.victims.hopeless(req, preempt_bound(prio), las):
             return False  # also answers the shrink search: a shrink frees less than a preemption
         shrink = self._shrink_plan(cyc, req, prio, las) if config.shrink_elastic else None
