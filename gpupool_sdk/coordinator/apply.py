@@ -12,12 +12,27 @@ What each decision writes (see ``docs/architecture.md``, "The lease protocol"):
   changed (no write storms on every cycle).
 * ``Preempt`` / ``Resize``: ``directives/{job}`` with the next seq, and status PREEMPTING; the
   target names ``for_job`` (and, for a shrink, ``keep``: the GPUs the job keeps) when the decision does.
+  One preemption or resize at a time, except that **a preemption supersedes a resize in flight**
+  (not acked yet): the preempt directive replaces it, with ``target["supersedes"]`` naming the
+  resize's seq, and the job acks the preempt (an ack of that resize counts too: the job was already
+  checkpointing for it; :mod:`gpupool_sdk.scheduler.protocol`). A resize never replaces a preemption.
+* ``Withdraw`` (the job refused its resize): delete ``directives/{job}``; status GRANTED again with
+  the refusal as the reason, its grant untouched, ``resize_refusals`` + 1 and ``resize_retry_at``.
 * ``Balloon``: ``directives/{job}`` with the per-slice memory target (the allocations shrink
   when the job acks: ``Shrink``).
 * ``Deflate``: the allocations back to full size and ``directives/{job}`` telling the job, in one
   transaction; :func:`housekeeping` retires the directive once acked.
 * ``Release``: delete allocations and directive, status SUSPENDED (or the decision's state),
-  ``checkpoints/{job}`` with the acknowledged checkpoint, ``usage/{job}``.
+  ``checkpoints/{job}`` with the acknowledged checkpoint, ``usage/{job}``. A preempt's release
+  counts one more ``preemptions``, a resize's one more ``resizes`` (never a preemption).
+* **A resize's re-placement** (a ``Release`` to PENDING of a job whose resize was acked, and its
+  ``Grant`` later in the same batch) is one transaction (:func:`plan_batch`): the old allocations
+  go, the new ones come, status GRANTED with ``resizes`` + 1, ``checkpoints/{job}`` and
+  ``usage/{job}``, so neither operators nor the launcher ever see the resized job PENDING. It is
+  applied where the first grant of the batch stands (after every release of the batch, before
+  any other grant). When it would exceed etcd's ``--max-txn-ops``, or the job is not re-granted
+  in this cycle, the two are written apart as before (the status then says PENDING with the
+  resize as the reason: it holds nothing meanwhile).
 * ``Revoke``: ``checkpoints/{job}`` and ``usage/{job}``, then revoke the job's etcd lease.
 * ``Shrink`` (when the scheduler emits it): rewrite the job's allocations with a new memory size.
 
@@ -113,6 +128,9 @@ def _status(
         queued_at=view.queued_at,
         granted_at=old.granted_at if old is not None else None,
         preemptions=old.preemptions if old is not None else (resume.preemptions if resume is not None else 0),
+        resizes=old.resizes if old is not None else (resume.resizes if resume is not None else 0),
+        resize_refusals=old.resize_refusals if old is not None else 0,
+        resize_retry_at=old.resize_retry_at if old is not None else None,
         # The newest acknowledged checkpoint: this incarnation's ack, else the status, else resume data.
         last_checkpoint=_checkpoint_from_ack(state, job),
         term=state.snapshot.term,
@@ -151,8 +169,11 @@ def _checkpoint_from_ack(state: PoolState, job: str) -> Checkpoint | None:
     return meta.resume.last_checkpoint if meta.resume is not None else None
 
 
-def resume_record(state: PoolState, job: str, preempted: bool) -> ResumeRecord:
+def resume_record(state: PoolState, job: str, preempted: bool, resized: bool = False) -> ResumeRecord:
     """The ``checkpoints/{job}`` record to keep when the job gives its slices back.
+
+    ``preempted`` counts one more preemption, ``resized`` one more resize (an elastic job's
+    resize writes the record too: its launcher restarts the script from the checkpoint named there).
 
     **Decision (aging credit):** ``first_queued_at`` is written as ``now - time waited``, where
     the time waited is what the job spent queued before its grants (its own earlier credit
@@ -171,8 +192,10 @@ def resume_record(state: PoolState, job: str, preempted: bool) -> ResumeRecord:
     meta = state.jobs[job]
     now = state.snapshot.now
     old_pre = meta.status.preemptions if meta.status is not None else 0
+    old_res = meta.status.resizes if meta.status is not None else 0
     if meta.resume is not None:
         old_pre = max(old_pre, meta.resume.preemptions)
+        old_res = max(old_res, meta.resume.resizes)
     end = view.granted_at if view.granted_at is not None else now
     waited = max(0.0, end - view.queued_at)
     first_queued = now - waited
@@ -180,6 +203,7 @@ def resume_record(state: PoolState, job: str, preempted: bool) -> ResumeRecord:
         job=job,
         last_checkpoint=_checkpoint_from_ack(state, job),
         preemptions=old_pre + (1 if preempted else 0),
+        resizes=old_res + (1 if resized else 0),
         first_queued_at=first_queued,
         attained_gpu_s=view.attained_gpu_s,
         # A preempted job comes back: it is ranked by its last estimate while it waits (the
@@ -214,11 +238,12 @@ def simple_usage(job: str, state: PoolState, now: float) -> Mapping[str, Any]:
 
 
 def _release_ops(
-    ks: Keyspace, state: PoolState, job: str, now: float, preempted: bool, usage: UsageWriter | None
+    ks: Keyspace, state: PoolState, job: str, now: float, preempted: bool, usage: UsageWriter | None,
+    resized: bool = False,
 ) -> list[Op]:
     view = state.snapshot.jobs[job]
     ops: list[Op] = [DeleteOp(ks.allocation(a.node, a.gpu_uuid, job)) for a in view.allocations]
-    ops.append(PutOp(ks.checkpoint(job), encode(resume_record(state, job, preempted))))
+    ops.append(PutOp(ks.checkpoint(job), encode(resume_record(state, job, preempted, resized))))
     body = (usage or simple_usage)(job, state, now)
     if body is not None:
         ops.append(PutOp(ks.usage(job), encode(dict(body), kind="UsageRecord")))
@@ -311,9 +336,14 @@ def plan(
 
     if isinstance(decision, (st.Preempt, st.Resize)):
         dkind = DirectiveKind.PREEMPT if isinstance(decision, st.Preempt) else DirectiveKind.RESIZE
-        if view.directive is not None and view.directive.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
-            return Plan(job, kind)  # one preemption at a time; its deadline stands
+        cur = view.directive
         target: dict[str, Any] = {"gpus": decision.gpus} if isinstance(decision, st.Resize) else {}
+        if cur is not None and cur.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
+            if not (dkind is DirectiveKind.PREEMPT and _resize_in_flight(view)):
+                return Plan(job, kind)  # one preemption at a time; its deadline stands
+            # A preemption supersedes a resize the job has not acked: it replaces the directive.
+            # An ack of the resize written meanwhile counts as the preempt's (scheduler.protocol).
+            target["supersedes"] = cur.seq
         if decision.for_job:
             # The scheduler holds the room being freed for this job until the ack (protocol.freeing_for).
             target["for_job"] = decision.for_job
@@ -366,12 +396,26 @@ def plan(
             )
         return Plan(job, kind, tuple(ops), guards)
 
+    if isinstance(decision, st.Withdraw):
+        if view.directive is None or view.directive.kind is not DirectiveKind.RESIZE:
+            return Plan(job, kind)  # nothing to withdraw (already gone)
+        status = _status(
+            state,
+            job,
+            JobState.GRANTED,
+            decision.reason,
+            now,
+            resize_refusals=(old.resize_refusals if old is not None else 0) + 1,
+            resize_retry_at=decision.retry_at,
+        )
+        return Plan(job, kind, (DeleteOp(ks.directive(job)), _put_status(ks, meta, status)), guards)
+
     if isinstance(decision, st.Release):
-        preempted = view.directive is not None and view.directive.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE)
-        ops = _release_ops(ks, state, job, now, preempted, usage)
+        dk = view.directive.kind if view.directive is not None else None
+        preempted, resized = dk is DirectiveKind.PREEMPT, dk is DirectiveKind.RESIZE
+        ops = _release_ops(ks, state, job, now, preempted, usage, resized)
         if view.directive is not None:
             ops.append(DeleteOp(ks.directive(job)))
-        pre = (old.preemptions if old is not None else 0) + (1 if preempted else 0)
         status = _status(
             state,
             job,
@@ -380,7 +424,10 @@ def plan(
             now,
             granted_at=None,
             gpus=0,
-            preemptions=pre,
+            preemptions=(old.preemptions if old is not None else 0) + (1 if preempted else 0),
+            resizes=(old.resizes if old is not None else 0) + (1 if resized else 0),
+            resize_refusals=0 if resized else (old.resize_refusals if old is not None else 0),
+            resize_retry_at=None,
             last_checkpoint=_checkpoint_from_ack(state, job),
         )
         ops.append(_put_status(ks, meta, status))
@@ -405,6 +452,112 @@ def plan(
 
     log.warning("unknown decision %r ignored", decision)
     return Plan(job, kind)
+
+
+def _resize_in_flight(view: Any) -> bool:
+    """True when ``view``'s directive is a resize the job has not acked (yet)."""
+    d = view.directive
+    return d is not None and d.kind is DirectiveKind.RESIZE and (view.ack is None or view.ack.seq < d.seq)
+
+
+def _is_resize_release(decision: st.Decision, state: PoolState) -> bool:
+    """A Release to PENDING of a job whose resize directive was acked: its re-placement follows."""
+    if not isinstance(decision, st.Release) or decision.state is not JobState.PENDING:
+        return False
+    view = state.snapshot.jobs.get(decision.job)
+    d = view.directive if view is not None else None
+    return d is not None and d.kind is DirectiveKind.RESIZE and view is not None and view.ack is not None \
+        and view.ack.seq == d.seq
+
+
+def plan_regrant(
+    release: st.Release,
+    grant: st.Grant,
+    state: PoolState,
+    keyspace: Keyspace,
+    config: SchedulerConfig,
+    usage: UsageWriter | None = None,
+) -> Plan:
+    """One transaction for a resize's re-placement: ``release`` (its old slices, the resize's
+    checkpoint and usage) and ``grant`` (its new slices) together, status GRANTED throughout.
+
+    The grant's plan already deletes the allocations it does not keep and the directive; the
+    release adds ``checkpoints/{job}`` (the checkpoint the relaunched script resumes from, with
+    ``resizes`` + 1) and ``usage/{job}`` (the service of the old grant up to now: the new grant
+    counts from now). Pure, like :func:`plan`.
+    """
+    job = grant.job
+    granted = plan(grant, state, keyspace, config, usage)
+    if granted.empty:
+        return Plan(job, "Regrant")
+    view = state.snapshot.jobs[job]
+    meta = state.jobs[job]
+    now = state.snapshot.now
+    ks = keyspace
+    ops = [o for o in granted.ops if not (isinstance(o, PutOp) and o.key == ks.job_status(job))]
+    ops.append(PutOp(ks.checkpoint(job), encode(resume_record(state, job, preempted=False, resized=True))))
+    body = (usage or simple_usage)(job, state, now)
+    if body is not None:
+        ops.append(PutOp(ks.usage(job), encode(dict(body), kind="UsageRecord")))
+    old = meta.status
+    nodes = ", ".join(sorted({s.node for s in grant.slices}))
+    what = release.reason.split(";")[0] if release.reason else f"resize to {len(grant.slices)} GPU(s) acknowledged"
+    status = _status(
+        state,
+        job,
+        JobState.GRANTED,
+        f"{what}; re-granted {len(grant.slices)} slice(s) on {nodes} (was {len(view.allocations)})",
+        now,
+        granted_at=now,
+        gpus=len(grant.slices),
+        resizes=(old.resizes if old is not None else 0) + 1,
+        resize_refusals=0,
+        resize_retry_at=None,
+        last_checkpoint=_checkpoint_from_ack(state, job),
+    )
+    ops.append(_put_status(ks, meta, status))
+    return Plan(job, "Regrant", tuple(ops), granted.guards)
+
+
+def plan_batch(
+    decisions: Sequence[st.Decision],
+    state: PoolState,
+    keyspace: Keyspace,
+    config: SchedulerConfig,
+    usage: UsageWriter | None = None,
+) -> list[tuple[st.Decision | None, Plan]]:
+    """The plans of one cycle's decisions, in order, with each resize's release and re-grant
+    merged into one :func:`plan_regrant` placed where the batch's first grant stands (every
+    release of the batch is applied before it, no other grant is). A merge over
+    ``config.etcd_max_txn_ops`` is left as two plans. Pure."""
+    releases = {d.job: i for i, d in enumerate(decisions) if _is_resize_release(d, state)}
+    first_grant = next((i for i, d in enumerate(decisions) if isinstance(d, st.Grant)), None)
+    merged: dict[int, Plan] = {}  # index of the release -> the merged plan
+    skip: set[int] = set()
+    for i, d in enumerate(decisions):
+        if isinstance(d, st.Grant) and d.job in releases and releases[d.job] < i:
+            r = releases[d.job]
+            release = decisions[r]
+            assert isinstance(release, st.Release)
+            p = plan_regrant(release, d, state, keyspace, config, usage)
+            limit = config.etcd_max_txn_ops
+            if p.empty or (limit and p.txn_ops > limit):
+                continue
+            merged[r] = p
+            skip.add(i)
+    out: list[tuple[st.Decision | None, Plan]] = []
+    front: list[tuple[st.Decision | None, Plan]] = []
+    for r, p in merged.items():
+        front.append((decisions[r], p))
+    for i, d in enumerate(decisions):
+        if i == first_grant:
+            out.extend(front)
+            front = []
+        if i in skip or i in merged:
+            continue
+        out.append((d, plan(d, state, keyspace, config, usage)))
+    out.extend(front)
+    return out
 
 
 def housekeeping(state: PoolState, keyspace: Keyspace) -> list[Plan]:
@@ -455,9 +608,7 @@ class Applier:
         """Apply ``decisions`` in order, then :func:`housekeeping`; stop at the first lost fence."""
         report = ApplyReport()
         busy = {d.job for d in decisions}
-        plans: list[tuple[st.Decision | None, Plan]] = [
-            (d, plan(d, state, self._ks, self._config, self._usage)) for d in decisions
-        ]
+        plans = plan_batch(decisions, state, self._ks, self._config, self._usage)
         plans += [(None, p) for p in housekeeping(state, self._ks) if p.job not in busy]
         released: set[str] = set()  # jobs whose Release this batch committed
         for d, p in plans:
@@ -485,7 +636,7 @@ class Applier:
             report.applied[p.kind] = report.applied.get(p.kind, 0) + 1
             if p.kind == "Grant":
                 report.granted_jobs.append(p.job)
-            elif p.kind == "Release":
+            elif p.kind in ("Release", "Regrant"):
                 released.add(p.job)
             if p.revoke_lease:
                 try:

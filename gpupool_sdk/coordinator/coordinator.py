@@ -431,7 +431,7 @@ class Coordinator:
             self.stats.too_large += report.too_large
             for kind, n in report.applied.items():
                 self.stats.applied[kind] = self.stats.applied.get(kind, 0) + n
-            if any(k in report.applied for k in ("Release", "Revoke")) or time.monotonic() - self._last_flush >= self.usage_flush_s:
+            if any(k in report.applied for k in ("Release", "Regrant", "Revoke")) or time.monotonic() - self._last_flush >= self.usage_flush_s:
                 self._flush_usage()
                 if self._ledger is not None:
                     self._forget_idle(state)

@@ -510,6 +510,9 @@ def build_state(
                 (m for m, rev in members_by_job.get(name, ()) if rev <= granted_rev.get(name, rev)),
                 key=lambda m: (m.node_rank, m.node),
             )),
+            # A refused resize holds the job back from another one until its retry time.
+            resize_refusals=status.resize_refusals if status is not None else 0,
+            resize_retry_at=status.resize_retry_at if status is not None and state in HOLDING_STATES else None,
         )
         metas[name] = JobMeta(
             name=name,

@@ -347,6 +347,15 @@ class JobStatus:
         preemptions: how many times the job was preempted in its life.
         last_checkpoint: the last checkpoint the job acknowledged, kept across restarts.
         term: the leader term that wrote it.
+        gpus: how many slices the current grant holds.
+        attained_gpu_s: GPU-seconds of service received so far.
+        resizes: how many elastic resizes the job went through in its life (counted apart from
+            ``preemptions``: a resize keeps the job's lease and grant).
+        resize_refusals: resize directives the job refused in a row (``ok=False`` acks); an
+            accepted resize resets it.
+        resize_retry_at: after a refused resize, the wall-clock time before which the scheduler
+            proposes no resize to this job (a backoff that doubles with each refusal in a row);
+            None when no refusal holds it back.
     """
 
     state: JobState
@@ -359,6 +368,9 @@ class JobStatus:
     term: int = 0
     gpus: int = 0
     attained_gpu_s: float = 0.0
+    resizes: int = 0
+    resize_refusals: int = 0
+    resize_retry_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -372,6 +384,9 @@ class JobStatus:
             "term": self.term,
             "gpus": self.gpus,
             "attained_gpu_s": self.attained_gpu_s,
+            "resizes": self.resizes,
+            "resize_refusals": self.resize_refusals,
+            "resize_retry_at": self.resize_retry_at,
         }
 
     @classmethod
@@ -388,6 +403,10 @@ class JobStatus:
             term=opt(d, "term", int, where, 0),
             gpus=opt(d, "gpus", int, where, 0),
             attained_gpu_s=opt(d, "attained_gpu_s", float, where, 0.0),
+            # Written by newer leaders; absent (an older leader) reads as none.
+            resizes=max(0, opt(d, "resizes", int, where, 0)),
+            resize_refusals=max(0, opt(d, "resize_refusals", int, where, 0)),
+            resize_retry_at=opt(d, "resize_retry_at", float, where, None),
         )
 
 

@@ -24,6 +24,7 @@ from gpupool_sdk.scheduler.types import (
     ScheduleResult,
     Shrink,
     SliceGrant,
+    Withdraw,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "Shrink",
     "SliceGrant",
     "SliceRequest",
+    "Withdraw",
     "build_ledger",
     "fits",
     "predicted_peak",

@@ -50,6 +50,8 @@ def _parts(view: JobView, config: SchedulerConfig) -> tuple[JobView, float | Non
     and the seconds until its next LAS queue crossing from any ``now`` (None: none)."""
     d = view.directive
     deadline = d.deadline if d is not None else None
+    if deadline is None and view.resize_retry_at is not None:
+        deadline = view.resize_retry_at  # a refused resize: a resize may be proposed again from then
     if not view.allocations or view.state is not JobState.GRANTED:
         return (view, deadline, None, 0.0, None)
     guard = max(view.spec.min_runtime_s, config.min_runtime_s)

@@ -70,6 +70,7 @@ from gpupool_sdk.scheduler.protocol import (
     handle_protocol,
     kept_gpus,
     preempt_deadline,
+    resize_held_off,
     target_int,
 )
 from gpupool_sdk.scheduler.reject import PoolClass, reject_reason, slice_cap, summarize, txn_limit_reason
@@ -684,7 +685,8 @@ class Scheduler:
             for name, _p in cyc.victims.pool:
                 spec = jobs[name].spec
                 budget = len(holdings.get(name, ())) - (spec.min_gpus or spec.gpus)
-                if spec.is_elastic and budget > 0:
+                # A job that refused a resize is not asked again before its retry time (it may be preempted).
+                if spec.is_elastic and budget > 0 and not resize_held_off(jobs[name], cyc.snapshot.now):
                     cyc.shrink_budget[name] = budget
         if not cyc.shrink_budget:
             return None
@@ -951,6 +953,8 @@ class Scheduler:
             max_g = slice_cap(view.spec, cyc.config.etcd_max_txn_ops)
             if view.state is not JobState.GRANTED or view.directive is not None or view.name in cyc.busy:
                 continue
+            if resize_held_off(view, now):
+                continue  # it refused a resize: none before its retry time
             if have == 0 or have >= max_g or (view.granted_at is not None and view.granted_at >= now):
                 continue
             req = request_for(view, config, max_g)

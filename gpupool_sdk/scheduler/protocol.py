@@ -8,7 +8,15 @@ For each job with an outstanding directive:
   again in this same cycle with the target slice count (it restarts from its checkpoint). A
   shrink for a pending job (``target["for_job"]`` and ``target["keep"]``, the UUIDs of the GPUs
   it keeps) holds the kept GPUs for the job, which is re-granted exactly those, and the others
-  for ``for_job``.
+  for ``for_job``. The coordinator writes the release and the re-grant in one transaction
+  (:mod:`gpupool_sdk.coordinator.apply`), so the job is never seen PENDING in between.
+* ``resize`` refused (acked with ``ok=False``) -> :class:`Withdraw`: the directive goes, the grant
+  stays as it is, and no resize is proposed to the job before ``retry_at``
+  (:func:`resize_retry_at`: ``resize_retry_s``, doubled for each refusal in a row, up to 16x).
+  A pending job that needed the room may still preempt it whole meanwhile.
+* ``preempt`` that superseded a resize in flight (``target["supersedes"]``: the resize's seq,
+  written when a preemption replaced it) -> an ack of that resize (the job was already
+  checkpointing for it) counts as the preempt's ack: the job stopped at its checkpoint.
 * ``balloon`` acked -> :class:`Shrink` to the larger of the target and the bytes reached (never above the current quota);
   an ack that says it could not comply (``ok=False``) -> :class:`Preempt`.
 * ``preempt`` / ``resize`` past the deadline without the ack -> :class:`Revoke` (forced: the
@@ -36,6 +44,7 @@ from gpupool_sdk.scheduler.types import (
     Revoke,
     SchedulerConfig,
     Shrink,
+    Withdraw,
 )
 
 
@@ -76,6 +85,23 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
             continue
         # A gang's directive is acked when node rank 0 wrote the ack and every other node did in its member key.
         acked = view.ack is not None and view.ack.seq == d.seq and members_acked(view, d.seq)
+        if not acked and d.kind is DirectiveKind.PREEMPT:
+            acked = _superseded_resize_acked(view, d)
+        if d.kind is DirectiveKind.RESIZE and acked and view.ack is not None and not view.ack.ok:
+            retry = resize_retry_at(view, now, config)
+            why = view.ack.message or "no reason given"
+            target = target_int(d, "gpus", len(view.allocations))
+            out.decisions.append(
+                Withdraw(
+                    name,
+                    f"resize to {target} GPU(s) refused at step {view.ack.step}: {why}; grant of "
+                    f"{len(view.allocations)} kept, no resize proposed for {retry - now:.0f}s",
+                    retry_at=retry,
+                )
+            )
+            # No other directive this cycle: the withdrawal's write must land first.
+            out.busy.add(name)
+            continue
         if d.kind in (DirectiveKind.PREEMPT, DirectiveKind.RESIZE):
             if acked:
                 assert view.ack is not None
@@ -142,6 +168,28 @@ def handle_protocol(snapshot: ClusterSnapshot, ledger: Ledger, config: Scheduler
                 out.busy.add(name)
         # DEFLATE: the coordinator restores the quota itself; nothing to decide.
     return out
+
+
+def resize_retry_at(view: JobView, now: float, config: SchedulerConfig) -> float:
+    """When a job that refuses a resize now may be proposed one again: ``resize_retry_s`` after
+    ``now``, doubled for each refusal in a row before this one (``view.resize_refusals``), up to 16x."""
+    return now + config.resize_retry_s * (2 ** min(max(view.resize_refusals, 0), 4))
+
+
+def resize_held_off(view: JobView, now: float) -> bool:
+    """True while a refused resize holds ``view`` back from another one (``view.resize_retry_at``)."""
+    return view.resize_retry_at is not None and now < view.resize_retry_at
+
+
+def _superseded_resize_acked(view: JobView, d: Directive) -> bool:
+    """A preempt directive that replaced a resize in flight (``target["supersedes"]``) is acked by
+    an accepting ack of that resize too: the job was checkpointing for the resize when the preempt
+    came, and stopped there."""
+    seq = d.target.get("supersedes")
+    ack = view.ack
+    if isinstance(seq, bool) or not isinstance(seq, int) or ack is None:
+        return False
+    return ack.seq == seq and ack.ok and members_acked(view, seq)
 
 
 def target_int(directive: Directive, key: str, default: int) -> int:

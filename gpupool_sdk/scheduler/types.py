@@ -83,6 +83,9 @@ class SchedulerConfig:
             ``--max-txn-ops``); a job whose grant or release would need more is rejected (see
             :func:`~gpupool_sdk.scheduler.reject.job_txn_ops`). 0 = no limit (the simulator has no
             etcd); the coordinator sets it from ``--etcd-max-txn-ops`` (default 128, etcd's default).
+        resize_retry_s: after a job refuses a resize (an ``ok=False`` ack), no resize is proposed to
+            it for this long, doubled for each refusal in a row up to 16x (``JobView.resize_retry_at``);
+            meanwhile a pending job that needs its GPUs may still preempt it whole.
     """
 
     overcommit_ratio: float = 1.0
@@ -110,6 +113,7 @@ class SchedulerConfig:
     spread_idle_above: float = 0.25
     shrink_elastic: bool = True
     etcd_max_txn_ops: int = 0
+    resize_retry_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -122,6 +126,7 @@ class SchedulerConfig:
             "balloon_grace_s",
             "reserve_after_s",
             "las_promote_after_factor",
+            "resize_retry_s",
         ):
             # NaN slips through every `x < bound` check below, and infinity makes no sense for these.
             if not math.isfinite(getattr(self, name)):
@@ -149,7 +154,8 @@ class SchedulerConfig:
             raise ConfigError(
                 "balloon_floor_bytes", f"must be a whole number of bytes >= 0 (268435456 = 256 MiB), got {floor_bytes!r}"
             )
-        for name in ("min_runtime_s", "aging_s_per_priority", "max_wait_s", "preempt_grace_s", "balloon_grace_s"):
+        for name in ("min_runtime_s", "aging_s_per_priority", "max_wait_s", "preempt_grace_s", "balloon_grace_s",
+                     "resize_retry_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0 seconds, got {getattr(self, name)}")
         if self.max_decisions < 1:
@@ -209,6 +215,9 @@ class JobView:
             (:func:`~gpupool_sdk.scheduler.ordering.service_gpu_s`).
         members: for a multi-node gang (``spec.nodes`` > 1), the members that joined
             (``jobs/{job}/members/{node}`` on live leases), by node rank; empty otherwise.
+        resize_refusals: resize directives it refused in a row (from its status).
+        resize_retry_at: after a refused resize, no resize is proposed to it before this instant
+            (from its status; None: no backoff).
     """
 
     spec: JobSpec
@@ -225,6 +234,8 @@ class JobView:
     remaining_s: float | None = None
     members: tuple[GangMember, ...] = ()
     memory_peak_history: tuple[int, ...] = ()
+    resize_refusals: int = 0
+    resize_retry_at: float | None = None
 
     @property
     def name(self) -> str:
@@ -350,6 +361,16 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Withdraw:
+    """``job`` refused its resize directive (an ``ok=False`` ack): withdraw the directive and leave
+    its grant as it is; no resize is proposed to it before ``retry_at``."""
+
+    job: str
+    reason: str
+    retry_at: float
+
+
+@dataclass(frozen=True)
 class Revoke:
     """``job`` missed its directive deadline: revoke its etcd lease (forced preemption)."""
 
@@ -366,7 +387,7 @@ class Shrink:
     reason: str = ""
 
 
-Decision = Grant | Queue | Reject | Preempt | Resize | Balloon | Deflate | Release | Revoke | Shrink
+Decision = Grant | Queue | Reject | Preempt | Resize | Balloon | Deflate | Release | Revoke | Shrink | Withdraw
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ from gpupool_sdk.scheduler.types import (
     Release,
     Resize,
     Revoke,
+    Withdraw,
 )
 from gpupool_sdk.sim.trace import TraceJob
 from gpupool_sdk.sim.workload import WorkloadModel
@@ -620,7 +621,8 @@ class Simulator:
                     self.reject(job, d.reason)
             elif isinstance(d, Resize):
                 self._resize(d)
-            elif isinstance(d, Queue):
+            elif isinstance(d, (Queue, Withdraw)):
+                # Withdraw answers a refused resize; simulated jobs never refuse one (their acks are ok).
                 continue
             else:  # pragma: no cover - a new decision type
                 raise SimulationError(f"unknown decision {d!r}; teach gpupool_sdk.sim.engine to apply it")

@@ -32,6 +32,8 @@ class ResumeRecord:
         job: the job name.
         last_checkpoint: the last checkpoint the job acknowledged, or None.
         preemptions: how many times the job was preempted in its life.
+        resizes: how many elastic resizes it went through in its life (counted apart from
+            preemptions; the status of a job restarted under the same name starts from it).
         first_queued_at: wall-clock time the job was first queued (keeps its aging credit).
         attained_gpu_s: GPU-seconds of service received so far.
         remaining_s: the remaining-time estimate the job last published (telemetry ``remaining_s``)
@@ -48,6 +50,7 @@ class ResumeRecord:
     first_queued_at: float = 0.0
     attained_gpu_s: float = 0.0
     remaining_s: float | None = None
+    resizes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +60,7 @@ class ResumeRecord:
             "first_queued_at": self.first_queued_at,
             "attained_gpu_s": self.attained_gpu_s,
             "remaining_s": self.remaining_s,
+            "resizes": self.resizes,
         }
 
     @classmethod
@@ -70,6 +74,7 @@ class ResumeRecord:
             first_queued_at=opt(d, "first_queued_at", float, where, 0.0),
             attained_gpu_s=opt(d, "attained_gpu_s", float, where, 0.0),
             remaining_s=_estimate(opt(d, "remaining_s", float, where, None)),
+            resizes=max(0, opt(d, "resizes", int, where, 0)),
         )
 
 
