@@ -50,6 +50,11 @@ from gpupool_sdk.store import EtcdSecurity, EtcdStore
 FINISHED = "FINISHED"
 
 
+def _clock(at: float) -> str:
+    """``at`` (seconds since the epoch) as a UTC time of day with its date."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+
+
 def _age(now: float, since: float | None) -> str:
     if not since:
         return "-"
@@ -74,7 +79,7 @@ def job_rows(state: PoolState, include_finished: bool = False) -> list[dict[str,
         rows.append({
             "name": j["name"], "state": j["state"], "reason": j["reason"], "qos": j["qos"], "priority": j["priority"],
             "gpus": j["gpus"], "memory_bytes": j["memory_bytes"], "owner": j["owner"], "lease": j["lease"],
-            "term": j["term"], "preemptions": j["preemptions"], "queued_at": j["queued_at"],
+            "term": j["term"], "preemptions": j["preemptions"], "resizes": j["resizes"], "queued_at": j["queued_at"],
             "granted_at": j["granted_at"], "allocations": j["allocations"], "nodes": j["nodes"],
         })
     if include_finished:
@@ -86,18 +91,19 @@ def job_rows(state: PoolState, include_finished: bool = False) -> list[dict[str,
                 "name": name, "state": FINISHED, "reason": "no spec: the job ended; usage and checkpoint records remain",
                 "qos": usage.get("qos", ""), "priority": None, "gpus": 0, "memory_bytes": 0,
                 "owner": usage.get("owner", ""), "lease": None, "term": 0,
-                "preemptions": resume.preemptions if resume is not None else 0, "queued_at": None,
+                "preemptions": resume.preemptions if resume is not None else 0,
+                "resizes": resume.resizes if resume is not None else 0, "queued_at": None,
                 "granted_at": None, "allocations": [], "nodes": None, "last_seen": usage.get("last_seen"),
             })
     return rows
 
 
 def list_table(rows: list[dict[str, Any]], now: float) -> TableSpec:
-    """The ``job list`` table (wide-only columns: MEMORY, LEASE, TERM, PREEMPTIONS, SLICES ON)."""
+    """The ``job list`` table (wide-only columns: MEMORY, LEASE, TERM, PREEMPTIONS, RESIZES, SLICES ON)."""
     t = TableSpec(
-        ["JOB", "STATE", "QOS", "PRIO", "GPUS", "OWNER", "AGE", "MEMORY", "LEASE", "TERM", "PREEMPTIONS", "SLICES ON",
-         "REASON"],
-        [], "Jobs", wide=frozenset({"MEMORY", "LEASE", "TERM", "PREEMPTIONS", "SLICES ON"}),
+        ["JOB", "STATE", "QOS", "PRIO", "GPUS", "OWNER", "AGE", "MEMORY", "LEASE", "TERM", "PREEMPTIONS", "RESIZES",
+         "SLICES ON", "REASON"],
+        [], "Jobs", wide=frozenset({"MEMORY", "LEASE", "TERM", "PREEMPTIONS", "RESIZES", "SLICES ON"}),
     )
     for r in rows:
         since = r.get("granted_at") if r["state"] != "PENDING" else r.get("queued_at")
@@ -105,7 +111,7 @@ def list_table(rows: list[dict[str, Any]], now: float) -> TableSpec:
         t.rows.append([
             r["name"], r["state"], r["qos"] or "-", "-" if r["priority"] is None else str(r["priority"]), str(r["gpus"]),
             r["owner"] or "-", _age(now, since or r.get("last_seen")), mem, r["lease"] or "-", str(r["term"]),
-            str(r["preemptions"]), " ".join(f"{a['node']}/{a['gpu_index']}" for a in r["allocations"]) or "-",
+            str(r["preemptions"]), str(r.get("resizes", 0)), " ".join(f"{a['node']}/{a['gpu_index']}" for a in r["allocations"]) or "-",
             r["reason"],
         ])
     return t
@@ -165,7 +171,11 @@ def _describe_lines(doc: dict[str, Any]) -> list[str]:
                                                      else "expired") + ")")
     st = doc.get("status") or {}
     if st:
-        out.append(f"Term:         {st.get('term', 0)}   preemptions {st.get('preemptions', 0)}")
+        out.append(f"Term:         {st.get('term', 0)}   preemptions {st.get('preemptions', 0)}   "
+                   f"resizes {st.get('resizes', 0)}")
+        if st.get("resize_retry_at"):
+            out.append(f"Resize:       refused {st.get('resize_refusals', 0)} time(s) in a row; none proposed before "
+                       f"{_clock(float(st['resize_retry_at']))}")
     allocs = doc.get("allocations") or []
     out.append("Slices:       " + (", ".join(
         f"{a['node']}/{a['gpu_index']} ({a['gpu_uuid']}, {format_size(a['memory_bytes'])}, share {a['compute_share']:g})"

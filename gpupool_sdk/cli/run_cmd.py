@@ -11,7 +11,10 @@ Elastic jobs (``--min-gpus``/``--max-gpus``): after the script acked a ``resize`
 (75, or non-zero from torchrun, whose agent reports a worker's 75 as a failure) the launcher keeps
 the lease, waits for the coordinator's re-grant on it and runs the command again with
 ``GPUPOOL_DEVICES`` set to the new slice count (``torchrun --nproc-per-node "$GPUPOOL_DEVICES"``
-inside ``sh -c``: one rank per slice). A resize counts as neither a preemption nor a crash.
+inside ``sh -c``: one rank per slice). A resize counts as neither a preemption nor a crash. The
+coordinator writes the release and the re-grant in one transaction, so the job's status goes from
+PREEMPTING straight to GRANTED. When a preemption superseded the resize (the job is SUSPENDED at
+the resize's ack), the launcher releases the lease and queues again, as after any preemption.
 
 Signals: SIGTERM, SIGINT or SIGUSR1 to the launcher (Kubernetes eviction, ``scancel``, Ctrl-C,
 Slurm's ``--signal``) are forwarded to the script's process group; the script checkpoints at its
@@ -362,7 +365,20 @@ def run_job(
                 resizes += 1
                 say(f"resized; waiting for the re-grant on lease {lease.etcd_lease_hex} (resize {resizes})")
                 regranted = lease.wait_for(_regranted_since(server.acked_at), timeout=acquire_timeout)
-                if regranted and not lease.lost:
+                st = lease.status
+                if regranted and not lease.lost and st is not None and st.state is JobState.GRANTED:
+                    continue
+                if regranted and not lease.lost and st is not None and st.state is JobState.SUSPENDED:
+                    # A preemption superseded the resize: the coordinator took the slices back at the
+                    # resize's ack (its checkpoint stands). A preemption like any other: queue again.
+                    say(f"preempted during the resize ({st.reason})")
+                    lease.release()
+                    lease = None
+                    preemptions += 1
+                    if preemptions > max_preemptions:
+                        say(f"preempted; giving up after {max_preemptions} preemptions")
+                        return 1
+                    say(f"preempted; queueing again (preemption {preemptions})")
                     continue
                 say("no re-grant after the resize" + (f" ({lease.lost_reason})" if lease.lost else "")
                     + "; queueing again")
@@ -476,12 +492,17 @@ def _node_rank(flag: int | None) -> int:
 
 
 def _regranted_since(acked_at: float) -> Any:
-    """Predicate: the job is GRANTED again by a grant made after the resize ack (or the lease is lost)."""
+    """Predicate: the job is GRANTED again by a grant made after the resize ack, or SUSPENDED (a
+    preemption superseded the resize and took the slices back at its ack), or the lease is lost."""
 
     def check(lease: Any) -> bool:
         st = lease.status
-        return bool(lease.lost or (st is not None and st.state is JobState.GRANTED
-                                   and (st.granted_at or 0.0) >= acked_at - 1.0 and lease.allocations))
+        if lease.lost:
+            return True
+        if st is not None and st.state is JobState.SUSPENDED:
+            return True
+        return bool(st is not None and st.state is JobState.GRANTED
+                    and (st.granted_at or 0.0) >= acked_at - 1.0 and lease.allocations)
 
     return check
 

@@ -205,6 +205,8 @@ def status_dict(state: PoolState) -> dict[str, Any]:
                 "queued_at": v.queued_at,
                 "granted_at": v.granted_at,
                 "preemptions": st.preemptions if st else 0,
+                "resizes": st.resizes if st else 0,
+                "resize_retry_at": st.resize_retry_at if st else None,
                 "allocations": [
                     {"node": a.node, "gpu_uuid": a.gpu_uuid, "gpu_index": a.gpu_index, "memory_bytes": a.memory_bytes,
                      "compute_share": a.compute_share}
@@ -292,14 +294,15 @@ def sections(state: PoolState, endpoint: str) -> list[TableSpec | str]:
         parts.append(gpus)
 
     jobs = TableSpec(
-        ["JOB", "STATE", "PRIO", "QOS", "SLICES", "ALLOCATIONS", "OWNER", "LEASE", "TERM", "PREEMPTIONS", "REASON"], [],
-        "Jobs", wide=frozenset({"OWNER", "LEASE", "TERM", "PREEMPTIONS"}),
+        ["JOB", "STATE", "PRIO", "QOS", "SLICES", "ALLOCATIONS", "OWNER", "LEASE", "TERM", "PREEMPTIONS", "RESIZES",
+         "REASON"], [],
+        "Jobs", wide=frozenset({"OWNER", "LEASE", "TERM", "PREEMPTIONS", "RESIZES"}),
     )
     for j in d["jobs"]:
         allocs = " ".join(f"{a['node']}/{a['gpu_index']}" for a in j["allocations"]) or "-"
         jobs.rows.append([
             j["name"], j["state"], str(j["priority"]), j["qos"], _slices(j), allocs, j["owner"] or "-",
-            j["lease"], str(j["term"]), str(j["preemptions"]), j["reason"],
+            j["lease"], str(j["term"]), str(j["preemptions"]), str(j["resizes"]), j["reason"],
         ])
     parts.append(jobs if d["jobs"] else "no jobs")
 

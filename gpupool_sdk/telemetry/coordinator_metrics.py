@@ -96,6 +96,19 @@ class CoordinatorMetrics(Collector):
             ["reason", "qos"],
             registry=None,
         )
+        self.resizes = Counter(
+            "gpupool_scheduler_resizes",
+            "Elastic resize directives issued (counted apart from preemptions), by direction "
+            "(grow, shrink) and the job's QoS class.",
+            ["direction", "qos"],
+            registry=None,
+        )
+        self.resize_refusals = Counter(
+            "gpupool_scheduler_resize_refusals",
+            "Resize directives a job refused (acked ok=False; its grant kept, the resize withdrawn), by QoS class.",
+            ["qos"],
+            registry=None,
+        )
         self.rejections = Counter(
             "gpupool_scheduler_rejections",
             "Jobs rejected as impossible, by reason and QoS class.",
@@ -110,8 +123,8 @@ class CoordinatorMetrics(Collector):
             registry=None,
         )
         self._parts: tuple[Any, ...] = (
-            self.cycles, self.cycle_seconds, self.decisions, self.grants, self.preemptions, self.rejections,
-            self.queue_wait,
+            self.cycles, self.cycle_seconds, self.decisions, self.grants, self.preemptions, self.resizes,
+            self.resize_refusals, self.rejections, self.queue_wait,
         )  # fmt: skip
         self._autoscale: Any = None  # the last cycle's AutoscaleSignal
 
@@ -144,6 +157,12 @@ class CoordinatorMetrics(Collector):
                 self.decisions.labels(kind=kind).inc()
                 if kind == "Preempt":
                     self.preemptions.labels(reason=reason_code(d.reason, d.for_job), qos=qos(d.job)).inc()
+                elif kind == "Resize":
+                    view = jobs.get(d.job)
+                    have = len(view.allocations) if view is not None else 0
+                    self.resizes.labels(direction="grow" if d.gpus > have else "shrink", qos=qos(d.job)).inc()
+                elif kind == "Withdraw":
+                    self.resize_refusals.labels(qos=qos(d.job)).inc()
                 elif kind == "Reject":
                     self.rejections.labels(reason=reason_code(d.reason), qos=qos(d.job)).inc()
             for job in report.granted_jobs:
