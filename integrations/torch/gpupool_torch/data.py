@@ -76,6 +76,7 @@ class ResumableDataLoader(StatefulDataLoader):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.__dict__["gpupool_epoch"] = 0
         self.__dict__["_gpupool_resume_epoch"] = None
+        self.__dict__["_gpupool_base"] = None
 
     def mark_consumed(self, batches: int, epoch: int = 0) -> None:
         """Record the epoch training is in (the batch count is torchdata's to keep)."""
@@ -93,9 +94,9 @@ class ResumableDataLoader(StatefulDataLoader):  # type: ignore[misc]
             # The position in batches handed to training (workers prefetch ahead of it): it does
             # not depend on the world size nor on the number of workers.
             position = sampler.state_dict()
-            it = self._iterator
-            if sampler.pending is None and it is not None:
-                position["consumed"] = int(it._num_yielded) * sampler.global_batch_size
+            it, base = self._iterator, self.__dict__.get("_gpupool_base")
+            if sampler.pending is None and it is not None and base is not None:
+                position["consumed"] = (base + int(it._num_yielded)) * sampler.global_batch_size
             state[_POSITION_KEY] = position
         return state
 
@@ -120,13 +121,19 @@ class ResumableDataLoader(StatefulDataLoader):  # type: ignore[misc]
                 "ResumableDataLoader(dataset, global_batch_size=..., shuffle=..., seed=...) (an elastic job)",
             )
         position = state.pop(_POSITION_KEY, None)
+        if elastic and position is not None:
+            self.sampler.check_state(position)  # now, not at the first batch: names what differs
         self.__dict__["_gpupool_resume_epoch"] = int(epoch) if epoch is not None else None
         if elastic and position is not None and _multiprocess_state(state) != (self.num_workers > 0):
             # Saved with workers and loaded without (or the reverse): torchdata's layouts differ;
             # the sampler's position is all an elastic loader needs.
             self.sampler.load_state_dict(position)
             super().load_state_dict({})
+            # torchdata counts the batches of the next iteration from 0: they follow these.
+            pending = self.sampler.pending
+            self.__dict__["_gpupool_next_base"] = pending[1] // self.sampler.global_batch_size if pending else 0
             return
+        self.__dict__["_gpupool_next_base"] = None
         super().load_state_dict(state)
 
     def _world_size(self) -> int:
@@ -144,7 +151,11 @@ class ResumableDataLoader(StatefulDataLoader):  # type: ignore[misc]
                 set_epoch = getattr(sampler, "set_epoch", None)
                 if callable(set_epoch):
                     set_epoch(epoch)
-        return super().__iter__()
+        it = super().__iter__()
+        # Batches of this iteration's epoch consumed before the count torchdata keeps (which a
+        # torchdata state restores, so it is 0 but after a state loaded without torchdata's layout).
+        self.__dict__["_gpupool_base"] = self.__dict__.pop("_gpupool_next_base", None) or 0
+        return it
 
 
 def _multiprocess_state(state: dict[str, Any]) -> bool:

@@ -235,6 +235,18 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
             ConfigError: the state was taken with another global batch, dataset length, shuffle,
                 seed or ``drop_last`` (the order would not be the same), or is not this sampler's.
         """
+        epoch, consumed = self.check_state(state)
+        if consumed >= self.total_size:
+            epoch, consumed = epoch + 1, 0
+        self._pending = (epoch, consumed)
+        self.epoch = epoch
+
+    def check_state(self, state: dict[str, Any]) -> tuple[int, int]:
+        """``(epoch, consumed)`` of ``state`` if this sampler can continue from it (see :meth:`load_state_dict`).
+
+        Raises:
+            ConfigError: as :meth:`load_state_dict`.
+        """
         if not isinstance(state, dict) or "consumed" not in state or "epoch" not in state:
             raise ConfigError("state", "not an ElasticDistributedSampler state (no 'epoch'/'consumed')")
         for key, mine in (("global_batch_size", self.global_batch_size), ("dataset_len", self.dataset_len),
@@ -249,7 +261,4 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         epoch, consumed = int(state["epoch"]), int(state["consumed"])
         if consumed < 0 or consumed % self.global_batch_size:
             raise ConfigError("state", f"consumed={consumed} is not a whole number of global batches")
-        if consumed >= self.total_size:
-            epoch, consumed = epoch + 1, 0
-        self._pending = (epoch, consumed)
-        self.epoch = epoch
+        return epoch, consumed
