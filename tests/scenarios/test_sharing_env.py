@@ -42,7 +42,7 @@ rt.close()
 
 def _env(pool: Pool) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPUPOOL_ENDPOINTS": pool.endpoint, "GPUPOOL_PREFIX": pool.keys.prefix,
-           "GPUPOOL_NODE": "node-a"}
+           "GPUPOOL_NODE": "node-a", "GPUPOOL_CHECKPOINT_DIR": str(pool.tmp_path / "ckpt")}  # not the repository's cwd
     for var in (*MPS_VARS, "GPUPOOL_SHARING", "GPUPOOL_RUN_SOCKET", "GPUPOOL_LEASED", "GPUPOOL_JOB", "RANK", "LOCAL_RANK"):
         env.pop(var, None)
     return env
