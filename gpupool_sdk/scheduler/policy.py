@@ -244,6 +244,8 @@ class _Cycle:
     #: the jobs holding capacity in victim order (for reservations), and their names when sorted.
     holder_order: list[str] | None = None
     holder_names: set[str] = field(default_factory=set)
+    #: the lowest and highest base priority among them.
+    holder_prios: tuple[int, int] = (0, 0)
     #: elastic jobs granted this cycle below ``max_gpus``: (index of their Grant in ``decisions``, request).
     fresh: dict[str, tuple[int, SliceRequest]] = field(default_factory=dict)
     #: queued jobs not considered in full (cut by ``max_decisions`` or ``max_preemption_attempts``):
@@ -834,10 +836,17 @@ class Scheduler:
                     keys[n] = victim_key(jobs[n], now)
             cyc.holder_order = sorted(holdings, key=keys.__getitem__)
             cyc.holder_names = set(holdings)
+            prios = [jobs[n].spec.priority for n in holdings]
+            cyc.holder_prios = (min(prios), max(prios)) if prios else (0, 0)
         order = cyc.holder_order
-        # Lower base priority first, then the victim order (a stable partition of the sorted holders).
-        victims = [n for n in order if jobs[n].spec.priority < prio]
-        victims += [n for n in order if jobs[n].spec.priority >= prio]
+        # Lower base priority first, then the victim order (a stable partition of the sorted
+        # holders; no partition to make when they are all on one side of ``prio``).
+        low, high = cyc.holder_prios
+        if high < prio or low >= prio:
+            victims = order
+        else:
+            victims = [n for n in order if jobs[n].spec.priority < prio]
+            victims += [n for n in order if jobs[n].spec.priority >= prio]
         plan = plan_preemption(cyc.ledger, req, victims)
         return list(plan.gpus) if plan is not None else None
 
