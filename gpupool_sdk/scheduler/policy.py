@@ -287,6 +287,9 @@ class Scheduler:
         self._whys: dict[int, tuple[SliceRequest, str]] = {}
         self._whys_layout: GpuLayout | None = None
         self._horizon = HorizonMemo()
+        #: Queue decisions of the last cycle and of this one, by job (see :meth:`_queue_decision`).
+        self._queued_last: dict[str, Queue] = {}
+        self._queued_now: dict[str, Queue] = {}
         #: per running job in the last victim index: (view, running priority, LAS standing).
         self._standings: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
 
@@ -297,6 +300,7 @@ class Scheduler:
     def run(self, snapshot: ClusterSnapshot) -> ScheduleResult:
         """Run one cycle; returns the decisions plus how many pending jobs were considered."""
         config = self.config
+        self._queued_last, self._queued_now = self._queued_now, {}
         ledger = build_ledger(snapshot, config, self._memo)
         cyc = _Cycle(snapshot, config, ledger)
         now = snapshot.now
@@ -402,7 +406,7 @@ class Scheduler:
         cut = f"queued: not considered this cycle (max_decisions={max_decisions} reached)"
         for _key, view, req in ordered:
             if cyc.actions >= max_decisions:
-                cyc.decisions.append(Queue(view.name, cut))
+                cyc.decisions.append(self._queue_decision(view.name, cut))
                 cyc.queued += 1
                 cyc.deferred += 1
                 continue
@@ -774,8 +778,17 @@ class Scheduler:
         )
 
     def _queue(self, cyc: _Cycle, view: JobView, reason: str) -> None:
-        cyc.decisions.append(Queue(view.name, reason))
+        cyc.decisions.append(self._queue_decision(view.name, reason))
         cyc.queued += 1
+
+    def _queue_decision(self, name: str, reason: str) -> Queue:
+        """``Queue(name, reason)``; the last cycle's decision when it is equal (decisions are
+        immutable: most jobs of a long queue are told the same thing cycle after cycle)."""
+        q = self._queued_last.get(name)
+        if q is None or q.reason != reason:
+            q = Queue(name, reason)
+        self._queued_now[name] = q
+        return q
 
     def _reason(self, cyc: _Cycle, req: SliceRequest) -> str:
         """:meth:`_why`, kept from cycle to cycle per request object while the GPU layout is the
