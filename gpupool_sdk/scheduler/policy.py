@@ -379,6 +379,21 @@ class Scheduler:
                     continue
             hit = old_pend.get(name)
             own = count is None
+            if (
+                own
+                and hit is not None
+                and hit[0] is spec
+                and hit[5]
+                and hit[1][0] == view.memory_peak_bytes
+                and hit[1][1] == view.memory_peak_history
+            ):
+                # Unchanged (the common case): everything as last cycle.
+                new_pend[name] = hit
+                if hit[4] is None:
+                    live.append((view, hit[3]))
+                else:
+                    cyc.decisions.append(Reject(name, f"impossible: {hit[4]}"))
+                continue
             if hit is not None and hit[0] is spec and own and hit[5]:
                 count = hit[2]  # the spec's own count: a function of the spec
             elif count is None:
