@@ -7,9 +7,10 @@ with one gloo rank per slice (``--nproc-per-node "$GPUPOOL_DEVICES"``). Another 
 second GPU at first; when it leaves, the coordinator grows the job (a ``resize`` directive: every
 rank checkpoints, rank 0 acks, torchrun is started again with 2 ranks); when a higher-priority job
 arrives the coordinator shrinks it back to 1. A watch on etcd records every write meanwhile: the
-job keeps one etcd lease and one spec key throughout, and each PENDING it passes through is the
-resize's re-placement, followed by its re-grant, never a queueing. The final weights equal those
-of the same sequence of world sizes replayed by hand (``--no-pool``) at the same steps.
+job keeps one etcd lease and one spec key throughout, its status never says PENDING after the
+first grant (each resize's release and re-grant is one transaction), and it is never queued again.
+The final weights equal those of the same sequence of world sizes replayed by hand (``--no-pool``)
+at the same steps.
 """
 
 from __future__ import annotations
@@ -166,13 +167,17 @@ def test_elastic_job_grows_and_shrinks_live_keeping_its_lease_and_matches_a_repl
                 if e.kv.key == live_pool.keys.job_status(JOB) and e.type == "put"]
     first_grant = next(i for i, s in enumerate(statuses) if s.state is JobState.GRANTED)
     after = statuses[first_grant:]
-    pending = [i for i, s in enumerate(after) if s.state is JobState.PENDING]
-    assert len(pending) == 2, [(s.state.value, s.reason) for s in after]
-    for i, want in zip(pending, (2, 1), strict=True):
-        # The resize's release to PENDING is its re-placement: the next write is its re-grant at the target.
+    seen = [(s.state.value, s.gpus, s.reason) for s in after]
+    # Never PENDING after the first grant: each resize's release and re-grant is one transaction,
+    # so the status goes from PREEMPTING (the resize directive) straight to GRANTED at the target.
+    assert not any(s.state is JobState.PENDING for s in after), seen
+    regrants = [i for i, s in enumerate(after) if s.state is JobState.GRANTED and "acknowledged" in s.reason]
+    assert len(regrants) == 2, seen
+    for n, (i, want) in enumerate(zip(regrants, (2, 1), strict=True), start=1):
         assert after[i].reason.startswith(f"resize to {want} GPU(s) acknowledged"), after[i].reason
-        assert after[i + 1].state is JobState.GRANTED and after[i + 1].gpus == want, after[i + 1]
-    assert not any("queued" in s.reason for s in after), [(s.state.value, s.reason) for s in after]
+        assert after[i].gpus == want and after[i].resizes == n and after[i].preemptions == 0, after[i]
+        assert after[i - 1].state is JobState.PREEMPTING, seen
+    assert not any("queued" in s.reason for s in after), seen
 
     # The final weights equal those of the same world sizes at the same steps, replayed by hand.
     plan = [(1, 0, segs[1]["start"]), (2, segs[1]["start"], segs[2]["start"]), (1, segs[2]["start"], end["end"])]
