@@ -237,6 +237,8 @@ class _Cycle:
     victims: VictimIndex | None = None
     #: the candidates of ``victims`` that could shrink (elastic, above ``min_gpus``), with how many GPUs they may give up.
     shrink_budget: dict[str, int] | None = None
+    #: per (priority bound, LAS bound): the candidates of ``shrink_budget`` under it, in victim order.
+    shrink_under: dict[tuple[float, tuple[int, int] | None], list[tuple[str, int]]] = field(default_factory=dict)
     balloonable: VictimIndex | None = None
     no_balloon: dict[tuple[object, ...], tuple[int, float]] = field(default_factory=dict)
     #: :func:`victim_key` (without LAS) of the jobs holding capacity, for reservations.
@@ -712,11 +714,15 @@ class Scheduler:
         if not cyc.shrink_budget:
             return None
         budgets = cyc.shrink_budget
-        shrinkable = [
-            (n, budgets[n])
-            for n in cyc.victims.candidates_under(float(math.floor(preempt_bound(prio))), las)
-            if n in budgets and n not in cyc.busy
-        ]
+        bound = float(math.floor(preempt_bound(prio)))
+        # The elastic candidates under this bound, once per bound and cycle (the pool and the
+        # budgets do not change within a cycle; who is busy does).
+        under = cyc.shrink_under.get((bound, las))
+        if under is None:
+            under = cyc.shrink_under[(bound, las)] = [
+                (n, budgets[n]) for n in cyc.victims.candidates_under(bound, las) if n in budgets
+            ]
+        shrinkable = [(n, b) for n, b in under if n not in cyc.busy]
         if not shrinkable:
             return None
         if req.min_count < req.count:
