@@ -485,6 +485,10 @@ def plan_regrant(
     release adds ``checkpoints/{job}`` (the checkpoint the relaunched script resumes from, with
     ``resizes`` + 1) and ``usage/{job}`` (the service of the old grant up to now: the new grant
     counts from now). Pure, like :func:`plan`.
+
+    Returns:
+        The plan, or an empty one when the re-grant writes nothing or the merged transaction
+        would exceed ``config.etcd_max_txn_ops`` (then both are planned apart).
     """
     job = grant.job
     granted = plan(grant, state, keyspace, config, usage)
@@ -496,6 +500,11 @@ def plan_regrant(
     ks = keyspace
     ops = [o for o in granted.ops if not (isinstance(o, PutOp) and o.key == ks.job_status(job))]
     ops.append(PutOp(ks.checkpoint(job), encode(resume_record(state, job, preempted=False, resized=True))))
+    limit = config.etcd_max_txn_ops
+    if limit and txn_ops(len(ops) + 2, FENCE_COMPARES + len(granted.guards)) > limit:
+        # Over etcd's limit with the usage and status puts: written apart (before the usage
+        # writer is asked, which charges the job up to now).
+        return Plan(job, "Regrant")
     body = (usage or simple_usage)(job, state, now)
     if body is not None:
         ops.append(PutOp(ks.usage(job), encode(dict(body), kind="UsageRecord")))
@@ -540,9 +549,8 @@ def plan_batch(
             release = decisions[r]
             assert isinstance(release, st.Release)
             p = plan_regrant(release, d, state, keyspace, config, usage)
-            limit = config.etcd_max_txn_ops
-            if p.empty or (limit and p.txn_ops > limit):
-                continue
+            if p.empty:
+                continue  # over etcd's transaction limit: the release and the grant are written apart
             merged[r] = p
             skip.add(i)
     out: list[tuple[st.Decision | None, Plan]] = []

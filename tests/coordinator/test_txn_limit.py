@@ -22,6 +22,7 @@ from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.errors import ConfigError, TxnTooLargeError
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
 from gpupool_sdk.resources import (
+    Ack,
     Allocation,
     Directive,
     DirectiveKind,
@@ -298,3 +299,27 @@ def test_a_regrant_after_this_batchs_release_drops_the_redundant_deletes() -> No
     release, grant = writer.txns
     assert sum(isinstance(o, DeleteOp) for o in release) == 31  # 30 allocations + the directive
     assert len(grant) == 101 and not any(isinstance(o, DeleteOp) for o in grant)
+
+
+def _acked_resize(state: PoolState, job: str) -> PoolState:
+    """``state`` with ``job``'s directive an acknowledged resize (what the protocol releases to PENDING)."""
+    view = state.snapshot.jobs[job]
+    d = Directive(DirectiveKind.RESIZE, seq=1, deadline=2000.0, target={"gpus": 100}, issued_at=900.0, term=4)
+    view = replace(view, directive=d, ack=Ack(seq=1, step=5, checkpoint="/ckpt/5"))
+    return replace(state, snapshot=replace(state.snapshot, jobs={**state.snapshot.jobs, job: view}))
+
+
+@pytest.mark.parametrize(("held", "new", "limit", "merged"), [(3, 4, 128, True), (30, 100, 128, False), (30, 100, 1024, True)])
+def test_a_resize_regrant_is_one_transaction_unless_that_exceeds_the_limit(held: int, new: int, limit: int,
+                                                                          merged: bool) -> None:
+    writer = RecordingWriter()
+    state = _acked_resize(_state([("j", new, held)], directive=True, status=JobState.PREEMPTING), "j")
+    report = _applier(writer, limit).apply([st.Release("j", JobState.PENDING, "resize"), _grant("j", held, new)], state)
+    if merged:
+        assert report.applied == {"Regrant": 1}
+        (txn,) = writer.txns
+        assert sum(isinstance(o, DeleteOp) for o in txn) == held + 1  # the old allocations + the directive
+        status = writer.status("j")
+        assert status is not None and status.state is JobState.GRANTED and status.gpus == new and status.resizes == 1
+    else:  # 100 puts + 31 deletes + status, checkpoint, usage: over 128, written apart as before
+        assert report.applied == {"Release": 1, "Grant": 1} and len(writer.txns) == 2
