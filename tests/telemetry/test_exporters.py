@@ -135,3 +135,29 @@ def test_agent_exports_per_gpu_health_with_dcgm_labels(store: Any) -> None:
     # after stop the agent reports it is no longer registered
     s = _scrape(AgentMetrics([agent]))
     assert s[("gpupool_agent_node_registered", (("Hostname", host), ("node", "node-m")))] == 0
+
+
+def test_resizes_are_counted_apart_from_preemptions() -> None:
+    now = 10_000.0
+    held = _view("el", "guaranteed", now - 100)
+    snap = st.ClusterSnapshot(now=now, gpus={}, jobs={"el": held, "el2": _view("el2", "shared", now - 100)})
+    have = len(held.allocations)
+    report = CycleReport(
+        term=3,
+        revision=1,
+        decisions=3,
+        duration_s=0.01,
+        decided=(
+            st.Resize("el", have + 1, "nothing pending: grow", deadline=now + 60),
+            st.Resize("el2", 0, "shrink from 1 to 0 GPU(s) to make room for p", deadline=now + 60, for_job="p"),
+            st.Withdraw("el", "resize to 2 GPU(s) refused at step 3: no", retry_at=now + 300),
+        ),
+        snapshot=snap,
+    )
+    m = CoordinatorMetrics()
+    m.observe_cycle(report)
+    s = _scrape(m)
+    assert s[("gpupool_scheduler_resizes_total", (("direction", "grow"), ("qos", "guaranteed")))] == 1
+    assert s[("gpupool_scheduler_resizes_total", (("direction", "shrink"), ("qos", "shared")))] == 1
+    assert s[("gpupool_scheduler_resize_refusals_total", (("qos", "guaranteed"),))] == 1
+    assert not [k for k in s if k[0] == "gpupool_scheduler_preemptions_total"]
