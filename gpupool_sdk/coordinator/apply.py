@@ -187,6 +187,9 @@ def resume_record(state: PoolState, job: str, preempted: bool, resized: bool = F
     job would be ranked by attained service while it waits and by remaining service once it runs:
     two such jobs preempt each other back and forth (measured by ``benchmarks/live_miniature.py``,
     ``docs/simulation.md`` section 8). The simulator keeps a waiting job's last estimate the same way.
+    Its place in submission order (``JobView.order``) is kept likewise, so that among jobs of equal
+    rank it is not queued behind jobs that arrived after it (Tiresias and the simulator order a
+    queue by first arrival).
     """
     view = state.snapshot.jobs[job]
     meta = state.jobs[job]
@@ -209,6 +212,8 @@ def resume_record(state: PoolState, job: str, preempted: bool, resized: bool = F
         # A preempted job comes back: it is ranked by its last estimate while it waits (the
         # snapshot falls back to it until the job publishes again). A job that ended has none.
         remaining_s=view.remaining_s if preempted else None,
+        # ... and keeps its place in submission order among equals (FIFO by first submission).
+        order=view.order if preempted else 0,
     )
 
 

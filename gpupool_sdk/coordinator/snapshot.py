@@ -499,7 +499,8 @@ def build_state(
             ack=ack,
             memory_peak_bytes=_peak_from_telemetry(telemetry.get(name)),
             memory_peak_history=_peak_history_from_telemetry(telemetry.get(name)),
-            order=kv.create_revision,
+            # A job queued again after a preemption keeps its place in submission order.
+            order=resume.order if resume is not None and resume.order > 0 else kv.create_revision,
             # A job queued again after a preemption has no telemetry until it runs: its last
             # estimate, kept in checkpoints/{job}, ranks it meanwhile (apply.resume_record).
             remaining_s=_remaining_from_telemetry(telemetry.get(name))

@@ -42,6 +42,10 @@ class ResumeRecord:
             again by this value until it publishes a new one (without it, a preempted job would
             be ranked by attained service while it waits and by remaining service once it runs,
             and two such jobs preempt each other back and forth).
+        order: after a preemption, the job's place in submission order (``JobView.order``: the
+            etcd create revision of its first spec), so that the job queued again keeps its FIFO
+            place among equals, as in Tiresias and the simulator (and stays the older one when
+            victims tie); 0 otherwise (a job submitted again after it ended queues as new).
     """
 
     job: str
@@ -51,6 +55,7 @@ class ResumeRecord:
     attained_gpu_s: float = 0.0
     remaining_s: float | None = None
     resizes: int = 0
+    order: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +66,7 @@ class ResumeRecord:
             "attained_gpu_s": self.attained_gpu_s,
             "remaining_s": self.remaining_s,
             "resizes": self.resizes,
+            "order": self.order,
         }
 
     @classmethod
@@ -75,6 +81,7 @@ class ResumeRecord:
             attained_gpu_s=opt(d, "attained_gpu_s", float, where, 0.0),
             remaining_s=_estimate(opt(d, "remaining_s", float, where, None)),
             resizes=max(0, opt(d, "resizes", int, where, 0)),
+            order=max(0, opt(d, "order", int, where, 0)),
         )
 
 

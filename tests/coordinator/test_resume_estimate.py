@@ -72,3 +72,25 @@ def test_the_release_of_a_preempted_job_keeps_its_estimate_and_a_finished_job_ke
     assert decode(KS.checkpoint("a"), encode(kept), ResumeRecord) == kept
     assert ResumeRecord.from_dict({"job": "a", "remaining_s": -1}).remaining_s is None
     assert ResumeRecord.from_dict({"job": "a"}).remaining_s is None
+
+def test_a_job_queued_again_after_a_preemption_keeps_its_place_in_submission_order() -> None:
+    it = _pool()
+    it.put(KS.job_spec("early"), JobSpec(name="early", gpus=1, memory="1GiB"), lease=0xA)
+    it.put(KS.job_status("early"), JobStatus(JobState.PREEMPTING, "r", 900.0, 800.0, 850.0, term=3, gpus=1), lease=0xA)
+    it.put(KS.allocation("node-a", UUID, "early"),
+           Allocation("early", "node-a", UUID, 0, GiB, 1.0, QoS.GUARANTEED, 3, 850.0), lease=0xA)
+    it.put(KS.job_spec("later"), JobSpec(name="later", gpus=1, memory="1GiB"), lease=0xB)
+    state = build_state(it.kvs, KS, NOW, term=3)
+    first = state.snapshot.jobs["early"].order
+    assert first < state.snapshot.jobs["later"].order
+    kept = resume_record(state, "early", preempted=True)
+    assert kept.order == first and resume_record(state, "early", preempted=False).order == 0
+    # Released, then submitted again under its name: a new spec (a later revision), its old place.
+    it.kvs = [kv for kv in it.kvs if "/early" not in kv.key or kv.key == KS.checkpoint("early")]
+    it.put(KS.checkpoint("early"), kept)
+    it.put(KS.job_spec("early"), JobSpec(name="early", gpus=1, memory="1GiB"), lease=0xD)
+    again = build_state(it.kvs, KS, NOW + 10, term=3).snapshot.jobs
+    assert again["early"].order == first < again["later"].order
+    # A job that ended keeps no place: submitted again, it queues as new.
+    it.put(KS.checkpoint("early"), resume_record(state, "early", preempted=False))
+    assert build_state(it.kvs, KS, NOW + 20, term=3).snapshot.jobs["early"].order > again["later"].order
