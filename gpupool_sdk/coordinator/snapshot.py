@@ -194,6 +194,19 @@ def _remaining_from_telemetry(body: Mapping[str, Any] | None) -> float | None:
     return None
 
 
+def _util_from_telemetry(body: Mapping[str, Any] | None) -> float | None:
+    # ``gpu_util`` of the job's TelemetrySummary (mean SM utilisation 0-1, null without NVML);
+    # absent, null or outside [0, 1] reads as unknown (colocation-aware placement skips it).
+    if not body:
+        return None
+    for holder in (body, body.get("summary")):
+        if isinstance(holder, Mapping):
+            v = holder.get("gpu_util")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1:
+                return float(v)
+    return None
+
+
 class DecodeCache:
     """Parsed values by key, reused while the key's mod revision is unchanged.
 
@@ -505,6 +518,7 @@ def build_state(
             # estimate, kept in checkpoints/{job}, ranks it meanwhile (apply.resume_record).
             remaining_s=_remaining_from_telemetry(telemetry.get(name))
             if name in telemetry or resume is None else resume.remaining_s,
+            gpu_util=_util_from_telemetry(telemetry.get(name)),
             # A member that joined after the grant is a restarted process, not the one the gang was
             # granted with: it does not count until the gang was released and granted again.
             members=tuple(sorted(

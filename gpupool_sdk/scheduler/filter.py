@@ -128,6 +128,8 @@ class SliceRequest:
             empty = any node.
         per_node: for a multi-node gang, exactly this many slices on each of ``nodes``
             (0 = no per-node split).
+        util: the job's measured GPU utilisation 0-1 (``JobView.gpu_util``), None when unknown.
+        colocate: colocation-aware placement is on (``SchedulerConfig.colocation_aware``).
     """
 
     job: str
@@ -143,6 +145,8 @@ class SliceRequest:
     anti_affinity: str | None = None
     nodes: tuple[str, ...] = ()
     per_node: int = 0
+    util: float | None = None
+    colocate: bool = False
 
     @property
     def shape(self) -> tuple[object, ...]:
@@ -207,6 +211,8 @@ def request_for(view: JobView, config: SchedulerConfig, count: int | None = None
         anti_affinity=spec.anti_affinity,
         nodes=nodes,
         per_node=per_node,
+        util=view.gpu_util,
+        colocate=config.colocation_aware and qos is QoS.SHARED,
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gpupool_sdk.resources import GpuInfo, QoS
@@ -60,13 +60,15 @@ def _buckets_for(compute: float) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """One slice held by a job, as the ledger accounts it (``gpu`` is the ledger's GPU index)."""
+    """One slice held by a job, as the ledger accounts it (``gpu`` is the ledger's GPU index;
+    ``util``: the job's measured GPU utilisation, None when unknown)."""
 
     gpu: int
     qos: QoS
     memory: int
     compute: float
     peak: int
+    util: float | None = None
 
 
 class _ClassIndex:
@@ -304,7 +306,7 @@ class Ledger:
         """Change the per-slice quota (and predicted peak) of a job's shared slices; returns the old holdings."""
         old = self.unreserve(job)
         new = [
-            Holding(h.gpu, h.qos, memory, h.compute, min(peak, memory)) if h.qos is QoS.SHARED else h for h in old
+            Holding(h.gpu, h.qos, memory, h.compute, min(peak, memory), h.util) if h.qos is QoS.SHARED else h for h in old
         ]
         self.reserve(job, new)
         return old
@@ -321,6 +323,22 @@ class Ledger:
     def holders(self, gpu: int) -> list[str]:
         """Jobs holding a slice of GPU ``gpu`` (sorted)."""
         return sorted(job for job, held in self.holdings.items() if any(h.gpu == gpu for h in held))
+
+    def shared_fit_key(self, gpu: int) -> float | None:
+        """The best-fit key of a partly used GPU for ``shared`` slices (the room left: smaller
+        is a tighter fit), or None when the GPU is idle, exclusive or unschedulable."""
+        key = self._key_s[gpu]
+        return None if key is None else key[0]
+
+    def holders_util(self, gpus: Collection[int], unknown: float) -> dict[int, float]:
+        """Per GPU of ``gpus``: the summed measured utilisation of the slices on it (a holder
+        that published none counts as ``unknown``)."""
+        out = dict.fromkeys(gpus, 0.0)
+        for held in self.holdings.values():
+            for h in held:
+                if h.gpu in out:
+                    out[h.gpu] += unknown if h.util is None else h.util
+        return out
 
     # ------------------------------------------------------------------ reservations for blocked jobs
 

@@ -23,11 +23,19 @@ the ledger: the caller reserves the result (all or nothing).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from gpupool_sdk.resources import QoS
 from gpupool_sdk.scheduler.filter import SliceRequest
 from gpupool_sdk.scheduler.ledger import Holding, Ledger
+
+#: ``SchedulerConfig.colocation_aware``: partly used GPUs whose room left is within this many
+#: bytes of the best fit's count as tied for a shared slice (1 GiB: a fraction of a T4's 16 GB).
+COLOCATION_TIE_BYTES = float(1 << 30)
+#: A holder that published no utilisation (not measured yet) counts as this busy.
+COLOCATION_UNKNOWN_UTIL = 0.5
+#: At most this many tied GPUs are compared (bounds the work per placement).
+COLOCATION_MAX_TIED = 16
 
 
 def place(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str] = ()) -> list[int] | None:
@@ -36,7 +44,8 @@ def place(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str] = ()) ->
     if req.per_node:
         return _per_node(ledger, req, avoid_nodes)
     if count == 1:
-        return _first(ledger.candidates(req, avoid_nodes, idle_first=ledger.prefers_idle(req)))
+        cands1 = ledger.candidates(req, avoid_nodes, idle_first=ledger.prefers_idle(req))
+        return _colocated(ledger, req, cands1) if req.colocate else _first(cands1)
     cands = ledger.candidates(req, avoid_nodes)
     if req.topology == "spread":
         return _spread(ledger, cands, count, req.min_count)
@@ -92,6 +101,28 @@ def _island(ledger: Ledger, cands: Iterable[int], count: int) -> list[int] | Non
     return None
 
 
+def _colocated(ledger: Ledger, req: SliceRequest, cands: Iterator[int]) -> list[int] | None:
+    """Best fit, then the lightest partners: among the partly used GPUs whose fit is within
+    :data:`COLOCATION_TIE_BYTES` of the best one, the GPU whose holders' measured utilisation
+    sums lowest (first in best-fit order on equal sums)."""
+    first = next(cands, None)
+    if first is None:
+        return None
+    key0 = ledger.shared_fit_key(first)
+    if key0 is None:  # an idle GPU: no partners to choose
+        return [first]
+    tied = [first]
+    for i in cands:
+        key = ledger.shared_fit_key(i)
+        if key is None or key > key0 + COLOCATION_TIE_BYTES or len(tied) >= COLOCATION_MAX_TIED:
+            break
+        tied.append(i)
+    if len(tied) == 1:
+        return tied
+    util = ledger.holders_util(tied, COLOCATION_UNKNOWN_UTIL)
+    return [min(tied, key=util.__getitem__)]  # min keeps the first of equal sums
+
+
 def _first(cands: Iterable[int]) -> list[int] | None:
     for i in cands:
         return [i]
@@ -138,5 +169,5 @@ def holdings_for(ledger: Ledger, req: SliceRequest, gpus: Iterable[int]) -> list
         if req.qos is QoS.EXCLUSIVE:
             out.append(Holding(i, QoS.EXCLUSIVE, ledger.loads[i].phys, 1.0, ledger.loads[i].phys))
         else:
-            out.append(Holding(i, req.qos, req.memory, req.compute, req.peak))
+            out.append(Holding(i, req.qos, req.memory, req.compute, req.peak, req.util))
     return out

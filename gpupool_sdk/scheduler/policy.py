@@ -133,7 +133,7 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
                 short.add(name)
                 continue  # GPU no longer published: nothing left to account on it
             peak = predicted_peak(view, a.memory_bytes, config) if a.mode is QoS.SHARED else a.memory_bytes
-            held.append(Holding(i, a.mode, a.memory_bytes, a.compute_share, peak))
+            held.append(Holding(i, a.mode, a.memory_bytes, a.compute_share, peak, view.gpu_util))
         held_by_job[name] = (view, held)
         changed.append(name)
     gone = [n for n in old if n not in held_by_job]

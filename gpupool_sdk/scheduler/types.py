@@ -75,6 +75,11 @@ class SchedulerConfig:
             other down, so packing pays only when GPUs get scarce; below the threshold the
             scheduler packs (best fit), which keeps the remaining idle GPUs whole for whole-GPU
             and gang jobs. 1.0 = always pack; 0.0 = spread whenever an idle GPU is free.
+        colocation_aware: when a one-slice ``shared`` job packs onto a partly used GPU, GPUs whose
+            fit is within ``COLOCATION_TIE_BYTES`` of the best fit count as tied, and among them
+            the one whose holders' measured utilisation (``JobView.gpu_util``) sums lowest wins
+            (Lucid: partners whose summed utilisation stays under the GPU's capacity slow each
+            other little). A tie-breaker after best fit; see ``docs/scheduler.md`` *Placement*.
         shrink_elastic: a pending job that needs room resizes elastic victims down to their
             ``min_gpus`` (a ``Resize`` naming it) instead of preempting them whole, when that alone
             makes room and those victims are no more protected than the ones a preemption would
@@ -111,6 +116,7 @@ class SchedulerConfig:
     resize_up: bool = True
     max_preemption_attempts: int = 32
     spread_idle_above: float = 0.25
+    colocation_aware: bool = False
     shrink_elastic: bool = True
     etcd_max_txn_ops: int = 0
     resize_retry_s: float = 300.0
@@ -218,6 +224,9 @@ class JobView:
         resize_refusals: resize directives it refused in a row (from its status).
         resize_retry_at: after a refused resize, no resize is proposed to it before this instant
             (from its status; None: no backoff).
+        gpu_util: the GPU utilisation (0-1, idle and input phases included) the job measured on
+            its GPUs, from ``telemetry/{job}`` (``TelemetrySummary.gpu_util``); None when it has
+            not run or has no NVML. Colocation-aware placement (``SchedulerConfig.colocation_aware``) uses it.
     """
 
     spec: JobSpec
@@ -236,6 +245,7 @@ class JobView:
     memory_peak_history: tuple[int, ...] = ()
     resize_refusals: int = 0
     resize_retry_at: float | None = None
+    gpu_util: float | None = None
 
     @property
     def name(self) -> str:

@@ -352,7 +352,7 @@ class PoolPolicy:
             return JobView(
                 spec=spec, state=JobState.PENDING, queued_at=job.submit, attained_gpu_s=job.attained_gpu_s,
                 memory_peak_bytes=job.demand if job.peak_known else None, order=job.index,
-                remaining_s=self._estimates.remaining_s(job, now),
+                remaining_s=self._estimates.remaining_s(job, now), gpu_util=self._measured_util(job, now),
             )
         attained = job.attained_gpu_s + (now - job.last) * sum(job.shares) if job.state == RUNNING else job.attained_gpu_s
         allocs = tuple(
@@ -391,7 +391,14 @@ class PoolPolicy:
             memory_peak_bytes=job.demand,
             order=job.index,
             remaining_s=self._estimates.remaining_s(job, now),
+            gpu_util=self._measured_util(job, now),
         )
+
+    def _measured_util(self, job: SimJob, now: float) -> float | None:
+        # The utilisation a job's telemetry reports (its workload profile's): only once it has run
+        # as long as a remaining-time estimate needs (``after_s``), never before it started.
+        ran = job.run_s + (now - job.last if job.state == RUNNING else 0.0)
+        return job.util if ran >= self.estimates.after_s else None
 
     # ------------------------------------------------------------------ the cycle
 
