@@ -97,10 +97,10 @@ class NodeAgent:
 
     Example:
         >>> from gpupool_sdk.inventory import simulated_backends          # doctest: +SKIP
-        >>> agent = NodeAgent(store, simulated_backends("n:4xT4")[0], LeaseTiming())
-        >>> agent.start()
-        >>> agent.tick()   # call every refresh_interval_s
-        >>> agent.stop()   # revokes the lease: the node's keys vanish at once
+        >>> agent = NodeAgent(store, simulated_backends("n:4xT4")[0], LeaseTiming())   # doctest: +SKIP
+        >>> agent.start()   # doctest: +SKIP
+        >>> agent.tick()   # call every refresh_interval_s   # doctest: +SKIP
+        >>> agent.stop()   # revokes the lease: the node's keys vanish at once   # doctest: +SKIP
     """
 
     def __init__(

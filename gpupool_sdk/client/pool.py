@@ -541,7 +541,7 @@ class PoolClient:
 
         Example:
             >>> spec = JobSpec(name="llm", gpus=16, nodes=2, memory="70GiB")    # doctest: +SKIP
-            >>> lease = pool.join(spec, timeout=3600)   # under torchrun, on LOCAL_RANK 0 of each node
+            >>> lease = pool.join(spec, timeout=3600)   # under torchrun, on LOCAL_RANK 0 of each node   # doctest: +SKIP
         """
         from gpupool_sdk.client.launch import launch_info
 

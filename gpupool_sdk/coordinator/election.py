@@ -91,7 +91,7 @@ class Election:
 
     Example:
         >>> election = Election(store, "coord-a", ElectionTiming(LeaseTiming(3, 0.5, 1), 0.5))  # doctest: +SKIP
-        >>> election.step()          # campaign or renew; True while this replica leads
+        >>> election.step()          # campaign or renew; True while this replica leads   # doctest: +SKIP
         True
     """
 

@@ -88,8 +88,8 @@ def install_torch_allocator(
             allocator can only be swapped before the first CUDA tensor or context).
 
     Example:
-        >>> from gpupool_torch.memory import install_torch_allocator
-        >>> alloc = install_torch_allocator(quota="20GiB")   # first thing in the script
+        >>> from gpupool_torch.memory import install_torch_allocator   # doctest: +SKIP
+        >>> alloc = install_torch_allocator(quota="20GiB")   # first thing in the script   # doctest: +SKIP
         >>> # ... build the model, train; alloc.stats() replaces torch.cuda.memory_stats()
     """
     global _torch_installed
