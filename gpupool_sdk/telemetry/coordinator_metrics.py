@@ -78,6 +78,12 @@ class CoordinatorMetrics(Collector):
         self._leader = leader
         self._lock = threading.Lock()
         self.cycles = Counter("gpupool_scheduler_cycles", "Scheduling cycles run by this replica as leader.", registry=None)
+        self.cycles_skipped = Counter(
+            "gpupool_scheduler_cycles_skipped",
+            "Cycles (counted in gpupool_scheduler_cycles too) in which nothing but the clock changed before "
+            "the last decisions' valid_until, so the scheduler and the writes were skipped.",
+            registry=None,
+        )
         self.cycle_seconds = Histogram(
             "gpupool_scheduler_cycle_duration_seconds",
             "Wall time of one scheduling cycle (read, schedule, fenced writes).",
@@ -123,7 +129,7 @@ class CoordinatorMetrics(Collector):
             registry=None,
         )
         self._parts: tuple[Any, ...] = (
-            self.cycles, self.cycle_seconds, self.decisions, self.grants, self.preemptions, self.resizes,
+            self.cycles, self.cycles_skipped, self.cycle_seconds, self.decisions, self.grants, self.preemptions, self.resizes,
             self.resize_refusals, self.rejections, self.queue_wait,
         )  # fmt: skip
         self._autoscale: Any = None  # the last cycle's AutoscaleSignal
@@ -151,6 +157,8 @@ class CoordinatorMetrics(Collector):
             if signal is not None:
                 self._autoscale = signal
             self.cycles.inc()
+            if getattr(report, "skipped", False):
+                self.cycles_skipped.inc()
             self.cycle_seconds.observe(max(0.0, report.duration_s))
             for d in report.decided:
                 kind = type(d).__name__

@@ -85,10 +85,12 @@ def test_cycle_reports_feed_counters_and_histograms() -> None:
     m = CoordinatorMetrics(lambda: (True, 3, 2, 1))
     m.observe_cycle(report)
     m.observe_cycle(CycleReport(term=3, revision=2, decisions=0, duration_s=3.0, snapshot=snap))
+    m.observe_cycle(CycleReport(term=3, revision=2, decisions=0, duration_s=0.001, snapshot=snap, skipped=True))
     s = _scrape(m)
-    assert s[("gpupool_scheduler_cycles_total", ())] == 2
-    assert s[("gpupool_scheduler_cycle_duration_seconds_count", ())] == 2
-    assert s[("gpupool_scheduler_cycle_duration_seconds_bucket", (("le", "0.025"),))] == 1
+    assert s[("gpupool_scheduler_cycles_total", ())] == 3
+    assert s[("gpupool_scheduler_cycles_skipped_total", ())] == 1
+    assert s[("gpupool_scheduler_cycle_duration_seconds_count", ())] == 3
+    assert s[("gpupool_scheduler_cycle_duration_seconds_bucket", (("le", "0.025"),))] == 2
     assert s[("gpupool_scheduler_grants_total", (("qos", "guaranteed"),))] == 1
     assert s[("gpupool_scheduler_grants_total", (("qos", "shared"),))] == 1
     assert s[("gpupool_scheduler_rejections_total", (("qos", "guaranteed"), ("reason", "no_such_model")))] == 1
