@@ -20,8 +20,7 @@ import pytest
 
 from gpupool_sdk.store.keyspace import Keyspace
 
-# One worker builds the core venv once for the whole module (pytest-xdist ``--dist loadgroup``).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.xdist_group("core_install")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "tiresias_60job.csv"
@@ -46,7 +45,7 @@ def core_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return home
 
 
-def test_core_install_holds_no_torch_lightning_or_cuda_wheels(core_venv: Path) -> None:
+def _assert_no_torch_lightning_or_cuda_wheels(core_venv: Path) -> None:
     out = subprocess.run([str(core_venv / "bin" / "python"), "-m", "pip", "list", "--format", "json"],
                          capture_output=True, text=True, check=True).stdout
     names = {p["name"].lower().replace("_", "-") for p in json.loads(out)}
@@ -55,7 +54,11 @@ def test_core_install_holds_no_torch_lightning_or_cuda_wheels(core_venv: Path) -
     assert not [n for n in names if n.startswith("nvidia-") and n != "nvidia-ml-py"], names
 
 
-def test_control_plane_runs_in_the_core_venv(core_venv: Path, etcd_endpoint: str, tmp_path: Path) -> None:
+# One test (not two sharing a module fixture): parallel workers would each build the venv.
+def test_core_install_holds_no_torch_or_cuda_wheels_and_runs_the_control_plane(
+    core_venv: Path, etcd_endpoint: str, tmp_path: Path
+) -> None:
+    _assert_no_torch_lightning_or_cuda_wheels(core_venv)
     gp = str(core_venv / "bin" / "gpupool")
     keys = Keyspace(f"/gpupool-test/core-{os.getpid()}-{time.monotonic_ns()}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
