@@ -6,6 +6,9 @@ the job's topology wish:
 
 * one slice: the first candidate (best fit), or the first idle GPU while many are idle
   (``SchedulerConfig.spread_idle_above``: colocated jobs slow each other down);
+  with ``SchedulerConfig.colocation_aware``, a shared slice packing onto a partly used GPU
+  takes, among the GPUs within :data:`COLOCATION_TIE_BYTES` of the best fit, the one whose
+  holders' measured utilisation sums lowest (a tie-breaker after best fit);
 * ``pack``: the first NVLink island to collect enough candidates, else the first node to do so,
   else the fewest nodes (nodes with the most candidates first);
 * ``spread``: the first candidate of each node, until enough distinct nodes;
