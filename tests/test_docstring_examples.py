@@ -1,7 +1,9 @@
 """Every docstring example of the three packages runs and prints what it says.
 
 The style guide asks for an ``Example:`` in public docstrings; this keeps them true. Examples that
-need a live etcd, a GPU or a training process say ``# doctest: +SKIP`` on each line.
+need a live etcd, a GPU or a training process say ``# doctest: +SKIP`` on each line. They run in
+a plain environment: no ``GPUPOOL_*`` variable (a runtime started by another test in this worker
+exports ``GPUPOOL_JOB`` for its ranks, by design).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import io
+import os
 import pkgutil
 
 import pytest
@@ -29,7 +32,9 @@ def _modules() -> list[str]:
 
 
 @pytest.mark.parametrize("name", _modules())
-def test_docstring_examples_run(name: str) -> None:
+def test_docstring_examples_run(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in [v for v in os.environ if v.startswith("GPUPOOL_")]:
+        monkeypatch.delenv(var)
     module = importlib.import_module(name)
     out = io.StringIO()
     runner = doctest.DocTestRunner(verbose=False)
