@@ -7,42 +7,18 @@ and forth (found by ``benchmarks/live_miniature.py``).
 
 from __future__ import annotations
 
-from typing import Any
-
+from coordinator.kvkit import KS, NOW, Items, pool_items
 from gpupool_sdk.coordinator.apply import resume_record
 from gpupool_sdk.coordinator.snapshot import build_state
-from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import Allocation, GiB, JobSpec, JobState, JobStatus, LeaderRecord, NodeInfo, QoS
+from gpupool_sdk.resources import Allocation, GiB, JobSpec, JobState, JobStatus, QoS
 from gpupool_sdk.store.codec import decode, encode
-from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.records import ResumeRecord
-from gpupool_sdk.store.types import KeyValue
 
-KS = Keyspace("/t")
-NOW = 1000.0
 UUID = "GPU-sim-node-a-0"
 
 
-class Items:
-    def __init__(self) -> None:
-        self.kvs: list[KeyValue] = []
-        self.rev = 0
-
-    def put(self, key: str, value: Any, lease: int = 0) -> None:
-        self.rev += 1
-        body = encode(value, kind="dict") if isinstance(value, dict) else encode(value)
-        self.kvs = [kv for kv in self.kvs if kv.key != key]
-        self.kvs.append(KeyValue(key, body, self.rev, self.rev, 1, lease))
-
-
 def _pool() -> Items:
-    it = Items()
-    for g in parse_cluster_spec("node-a:2xA100-40GB:pcie"):
-        it.put(KS.gpu(g.node, g.uuid), g, lease=7)
-    it.put(KS.node("node-a"), NodeInfo(name="node-a", hostname="t", agent_pid=1, gpu_count=2, backend="simulated",
-                                       started_at=0.0), lease=7)
-    it.put(KS.leader(), LeaderRecord("c1", 3, 1.0), lease=0xC)
-    return it
+    return pool_items(leader=True)
 
 
 def test_a_waiting_job_is_ranked_by_its_kept_estimate_until_it_publishes_again() -> None:

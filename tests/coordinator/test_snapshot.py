@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from coordinator.kvkit import KS, NOW, Items, pool_items
 from gpupool_sdk.coordinator.snapshot import DecodeCache, build_state
-from gpupool_sdk.inventory.simulated import parse_cluster_spec
 from gpupool_sdk.resources import (
     Ack,
     Allocation,
@@ -17,36 +15,13 @@ from gpupool_sdk.resources import (
     JobState,
     JobStatus,
     LeaderRecord,
-    NodeInfo,
     QoS,
 )
-from gpupool_sdk.store.codec import encode
-from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.records import ResumeRecord
-from gpupool_sdk.store.types import KeyValue
-
-KS = Keyspace("/t")
-NOW = 1000.0
-
-
-class Items:
-    def __init__(self) -> None:
-        self.kvs: list[KeyValue] = []
-        self.rev = 0
-
-    def put(self, key: str, value: Any, lease: int = 0, raw: bytes | None = None) -> None:
-        self.rev += 1
-        body = raw if raw is not None else (encode(value) if not isinstance(value, dict) else encode(value, kind="dict"))
-        self.kvs = [kv for kv in self.kvs if kv.key != key]
-        self.kvs.append(KeyValue(key, body, self.rev, self.rev, 1, lease))
 
 
 def _pool() -> Items:
-    it = Items()
-    for g in parse_cluster_spec("node-a:2xA100-40GB:pcie"):
-        it.put(KS.gpu(g.node, g.uuid), g, lease=7)
-    it.put(KS.node("node-a"), NodeInfo(name="node-a", hostname="test", agent_pid=1, gpu_count=2, backend="simulated", started_at=0.0), lease=7)  # the agent's node key
-    return it
+    return pool_items()
 
 
 def test_jobs_carry_leases_allocations_directives_and_resume_data() -> None:
