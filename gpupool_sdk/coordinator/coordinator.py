@@ -74,6 +74,9 @@ USAGE_ACCRUE_S = 1.0
 # telemetry, which every job rewrites every few seconds: the next cycle reads it, at the latest
 # loop_wait later, instead of a cycle per report.
 _QUIET_PUTS = frozenset({"jobs.status", "allocations", "directives", "checkpoints", "usage", "term", "telemetry"})
+#: A signal older than this is computed even in a cycle that granted jobs (see ``_publish_autoscale``).
+AUTOSCALE_MAX_AGE_S = 30.0
+
 # Keys that never need a cycle, put or deleted: the leader's own autoscale signal, and the
 # time-slicing turn and membership keys jobs pass between them every quantum.
 _IGNORED_KINDS = frozenset({"autoscale", "timeslice.turn", "timeslice.member"})
@@ -435,7 +438,7 @@ class Coordinator:
                 self._flush_usage()
                 if self._ledger is not None:
                     self._forget_idle(state)
-            signal = self._publish_autoscale(state)
+            signal = self._publish_autoscale(state, granted=bool(report.granted_jobs))
             cycle = CycleReport(
                 term=fence.term,
                 revision=state.revision,
@@ -459,9 +462,18 @@ class Coordinator:
 
     # ------------------------------------------------------------------ autoscale
 
-    def _publish_autoscale(self, state: PoolState) -> AutoscaleSignal | None:
-        """Compute the autoscale signal; write ``{prefix}/autoscale`` (fenced, no lease) when its advice changed."""
+    def _publish_autoscale(self, state: PoolState, granted: bool = False) -> AutoscaleSignal | None:
+        """Compute the autoscale signal; write ``{prefix}/autoscale`` (fenced, no lease) when its advice changed.
+
+        A cycle that granted jobs read its snapshot before the grants: those jobs would count as
+        demand and their GPUs as free. The signal is then left to the next cycle (at most
+        ``loop_wait_s`` later, skipped or not), unless the last one is older than
+        :data:`AUTOSCALE_MAX_AGE_S`.
+        """
         if self.autoscaler is None:
+            return None
+        last = self.autoscaler.last
+        if granted and last is not None and state.snapshot.now - last.at < AUTOSCALE_MAX_AGE_S:
             return None
         signal = self.autoscaler.update(state.snapshot)
         if not signal.same_advice(self._published_signal):
