@@ -14,7 +14,8 @@ import pytest
 
 from faults.chaos import CLUSTER_KINDS, SINGLE_KINDS, FaultConfig, FaultRun, summarize
 
-pytestmark = pytest.mark.slow
+# Timing-sensitive (leases of a few seconds under injected faults): run alone, after the parallel run.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _run(cfg: FaultConfig, tmp_path: Path) -> None:
