@@ -55,7 +55,7 @@ from gpupool_sdk.errors import ConfigError, GpupoolError, NotLeaderError, SpecEr
 from gpupool_sdk.resources import Allocation
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.scheduler.autoscale import Autoscaler, AutoscaleSettings, AutoscaleSignal
-from gpupool_sdk.scheduler.types import SchedulerConfig
+from gpupool_sdk.scheduler.types import SchedulerConfig, SliceGrant
 from gpupool_sdk.store import EtcdStore, WatchEvent
 from gpupool_sdk.store.codec import encode
 from gpupool_sdk.telemetry.pricing import PriceTable
@@ -74,12 +74,16 @@ USAGE_ACCRUE_S = 1.0
 # telemetry, which every job rewrites every few seconds: the next cycle reads it, at the latest
 # loop_wait later, instead of a cycle per report.
 _QUIET_PUTS = frozenset({"jobs.status", "allocations", "directives", "checkpoints", "usage", "term", "telemetry"})
-#: A signal older than this is computed even in a cycle that granted jobs (see ``_publish_autoscale``).
-AUTOSCALE_MAX_AGE_S = 30.0
 
 # Keys that never need a cycle, put or deleted: the leader's own autoscale signal, and the
 # time-slicing turn and membership keys jobs pass between them every quantum.
 _IGNORED_KINDS = frozenset({"autoscale", "timeslice.turn", "timeslice.member"})
+
+
+def _granted_slices(decisions: Sequence[Any], granted_jobs: Sequence[str]) -> dict[str, tuple[SliceGrant, ...]]:
+    """The slices of the cycle's grants that were written (``granted_jobs``), by job."""
+    written = set(granted_jobs)
+    return {d.job: d.slices for d in decisions if isinstance(d, st.Grant) and d.job in written}
 
 
 @dataclass
@@ -438,7 +442,7 @@ class Coordinator:
                 self._flush_usage()
                 if self._ledger is not None:
                     self._forget_idle(state)
-            signal = self._publish_autoscale(state, granted=bool(report.granted_jobs))
+            signal = self._publish_autoscale(state, _granted_slices(decisions, report.granted_jobs))
             cycle = CycleReport(
                 term=fence.term,
                 revision=state.revision,
@@ -462,20 +466,15 @@ class Coordinator:
 
     # ------------------------------------------------------------------ autoscale
 
-    def _publish_autoscale(self, state: PoolState, granted: bool = False) -> AutoscaleSignal | None:
+    def _publish_autoscale(self, state: PoolState, granted: Mapping[str, Sequence[SliceGrant]]) -> AutoscaleSignal | None:
         """Compute the autoscale signal; write ``{prefix}/autoscale`` (fenced, no lease) when its advice changed.
 
-        A cycle that granted jobs read its snapshot before the grants: those jobs would count as
-        demand and their GPUs as free. The signal is then left to the next cycle (at most
-        ``loop_wait_s`` later, skipped or not), unless the last one is older than
-        :data:`AUTOSCALE_MAX_AGE_S`.
+        The cycle's snapshot was read before its grants: ``granted`` (the grants that were written)
+        turns it into the state after the cycle, so those jobs are not demand and their GPUs not free.
         """
         if self.autoscaler is None:
             return None
-        last = self.autoscaler.last
-        if granted and last is not None and state.snapshot.now - last.at < AUTOSCALE_MAX_AGE_S:
-            return None
-        signal = self.autoscaler.update(state.snapshot)
+        signal = self.autoscaler.update(state.snapshot, granted)
         if not signal.same_advice(self._published_signal):
             try:
                 if self.writer.write([PutOp(self.keys.autoscale(), encode(signal))]):

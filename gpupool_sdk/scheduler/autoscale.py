@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import JobState
 from gpupool_sdk.resources._fields import opt, req
-from gpupool_sdk.scheduler.types import ClusterSnapshot
+from gpupool_sdk.scheduler.types import ClusterSnapshot, SliceGrant
 
 
 @dataclass(frozen=True)
@@ -207,10 +207,15 @@ def autoscale(
     return AutoscaleSignal(now, desired, current, down, pending_gpus, free_gpus, reasons)
 
 
-def node_states(snapshot: ClusterSnapshot, idle_since: Mapping[str, float]) -> list[NodeState]:
+def node_states(
+    snapshot: ClusterSnapshot,
+    idle_since: Mapping[str, float],
+    granted: Mapping[str, Sequence[SliceGrant]] | None = None,
+) -> list[NodeState]:
     """The snapshot's nodes: type (the most common model), GPUs, busy GPUs; ``idle_since`` from the caller's memory.
 
-    MIG instances count as their parent GPU (one physical GPU).
+    MIG instances count as their parent GPU (one physical GPU). ``granted``: slices granted after
+    the snapshot was read (the cycle's own grants), busy as well.
     """
     physical: dict[str, dict[str, str]] = {}
     for g in snapshot.gpus.values():
@@ -220,6 +225,10 @@ def node_states(snapshot: ClusterSnapshot, idle_since: Mapping[str, float]) -> l
         for a in view.allocations:
             held = snapshot.gpus.get(a.gpu_uuid)
             busy.setdefault(a.node, set()).add((held.mig_parent or held.uuid) if held is not None else a.gpu_uuid)
+    for slices in (granted or {}).values():
+        for sl in slices:
+            held = snapshot.gpus.get(sl.gpu_uuid)
+            busy.setdefault(sl.node, set()).add((held.mig_parent or held.uuid) if held is not None else sl.gpu_uuid)
     out = []
     for node, gpus in sorted(physical.items()):
         model = Counter(gpus.values()).most_common(1)[0][0]
@@ -228,12 +237,12 @@ def node_states(snapshot: ClusterSnapshot, idle_since: Mapping[str, float]) -> l
     return out
 
 
-def pending_demand(snapshot: ClusterSnapshot) -> list[PendingDemand]:
-    """Pending jobs of the snapshot as demand (``min_gpus`` each; REJECTED jobs are not demand)."""
+def pending_demand(snapshot: ClusterSnapshot, granted: Collection[str] = ()) -> list[PendingDemand]:
+    """Pending jobs of the snapshot as demand (``min_gpus`` each; REJECTED jobs and ``granted`` ones are not demand)."""
     return [
         PendingDemand(v.name, v.spec.gpu_model, v.spec.min_gpus or v.spec.gpus, v.queued_at or snapshot.now)
         for v in snapshot.jobs.values()
-        if v.state is JobState.PENDING
+        if v.state is JobState.PENDING and v.name not in granted
     ]
 
 
@@ -251,11 +260,16 @@ class Autoscaler:
         self._idle_since: dict[str, float] = {}
         self.last: AutoscaleSignal | None = None
 
-    def update(self, snapshot: ClusterSnapshot) -> AutoscaleSignal:
-        """The signal for ``snapshot``."""
-        nodes = node_states(snapshot, self._idle_since)
+    def update(self, snapshot: ClusterSnapshot, granted: Mapping[str, Sequence[SliceGrant]] | None = None) -> AutoscaleSignal:
+        """The signal for ``snapshot`` after ``granted`` (job -> slices granted since the snapshot was read).
+
+        The coordinator reads its snapshot before the cycle's grants; without ``granted`` the jobs it
+        just placed would count as demand and their GPUs as free.
+        """
+        granted = granted or {}
+        nodes = node_states(snapshot, self._idle_since, granted)
         self._idle_since = {n.name: n.idle_since for n in nodes if n.idle_since is not None}
-        signal = autoscale(nodes, pending_demand(snapshot), snapshot.now, self.settings, self.last)
+        signal = autoscale(nodes, pending_demand(snapshot, granted), snapshot.now, self.settings, self.last)
         self.last = signal
         return signal
 

@@ -12,7 +12,7 @@ from testkit import publish_gpus, wait_for
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import JobSpec
+from gpupool_sdk.resources import JobSpec, JobState
 from gpupool_sdk.scheduler.autoscale import AutoscaleSettings, AutoscaleSignal
 from gpupool_sdk.scheduler.types import SchedulerConfig
 from gpupool_sdk.store import EtcdStore
@@ -51,7 +51,7 @@ def _signal(store: EtcdStore) -> AutoscaleSignal | None:
 
 
 def test_signal_follows_the_queue_and_names_idle_nodes(store: EtcdStore, coord: tuple[Coordinator, CoordinatorMetrics, list[CycleReport]]) -> None:
-    c, metrics, _ = coord
+    c, metrics, reports = coord
     wait_for(lambda: c.is_leader, what="leadership")
     leases = []
     for name in ("first", "second"):
@@ -61,6 +61,14 @@ def test_signal_follows_the_queue_and_names_idle_nodes(store: EtcdStore, coord: 
     # One 4-GPU job runs on the 4 GPUs; the other waits: 4 GPUs short, +2 nodes of 2.
     s = wait_for(lambda: (x := _signal(store)) is not None and x.desired.get(A) == 4 and x, what="a scale-up signal")
     assert s.current[A] == 2 and s.pending_gpus[A] == 4 and "+2 node(s)" in s.reasons[A]
+    # The cycle that granted one of them computed its signal from the pool after the grant (its
+    # snapshot was read before): the granted job is not demand, its GPUs are not free.
+    granting = [r for r in list(reports) if r.granted_jobs]
+    assert granting and granting[0].autoscale is not None
+    first = granting[0]
+    assert first.snapshot is not None
+    still_waiting = [v for v in first.snapshot.jobs.values() if v.state is JobState.PENDING and v.name not in first.granted_jobs]
+    assert first.autoscale.pending_gpus.get(A, 0) == 4 * len(still_waiting) and first.autoscale.free_gpus[A] == 0
     reg = CollectorRegistry()
     reg.register(metrics)
     text = generate_latest(reg).decode()

@@ -106,3 +106,19 @@ def test_autoscaler_on_snapshots_tracks_idle_time() -> None:
     assert a.update(snap(g, [holder, mig_holder], now=1000.0)).desired[H] == 2
     assert a.update(snap(g, [holder, mig_holder], now=1599.0)).desired[H] == 2  # idle since 1000
     assert a.update(snap(g, [holder, mig_holder], now=1600.0)).scale_down[H] == ("n1",)
+
+
+def test_slices_granted_after_the_snapshot_are_busy_and_their_jobs_are_not_demand() -> None:
+    """The coordinator's snapshot is read before its grants: the signal must describe the pool after them."""
+    from gpupool_sdk.scheduler.types import SliceGrant
+
+    g = gpus("n0:2xH100-80GB,n1:2xH100-80GB")
+    waiting = job("w", gpus=2, memory="10GiB")
+    snapshot = snap(g, [waiting], now=1000.0)
+    before = Autoscaler(AutoscaleSettings(scale_up_after_s=0, scale_down_idle_s=0)).update(snapshot)
+    assert before.pending_gpus[H] == 2 and before.free_gpus[H] == 4 and not before.scale_down.get(H)
+    slices = tuple(SliceGrant("n1", g[f"GPU-sim-n1-{i}"].uuid, i, 10 << 30, 1.0) for i in range(2))
+    after = Autoscaler(AutoscaleSettings(scale_up_after_s=0, scale_down_idle_s=0)).update(snapshot, {"w": slices})
+    assert after.pending_gpus[H] == 0 and after.free_gpus[H] == 2
+    # n0 is idle with nothing pending: named; n1 holds the grant: kept.
+    assert after.scale_down[H] == ("n0",) and after.desired[H] == 1
