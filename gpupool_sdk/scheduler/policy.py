@@ -15,9 +15,10 @@ capacity ledger with reserve / un-reserve):
    Resize down toward ``min_gpus`` for the job) or Preempt lower-priority jobs or, with LAS,
    same-level jobs in a higher attained-service queue (:mod:`.preempt`),
    else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
+   jobs behind the first ``max_considered`` are only placed where they fit now, else queued;
 7. when nothing is left waiting: Deflate ballooned jobs;
-8. when every queued job was considered in full (none cut by ``max_decisions`` or
-   ``max_preemption_attempts``): grow elastic jobs toward ``max_gpus`` into the capacity left,
+8. when every queued job was considered in full (none cut by ``max_decisions``,
+   ``max_considered`` or ``max_preemption_attempts``): grow elastic jobs toward ``max_gpus`` into the capacity left,
    which no queued job can be placed on and which is held for nobody else: first the grants of
    this cycle (their Grant is enlarged: a job is never resized in the cycle it is granted), then
    running jobs with Resize. A resize that grows holds the GPUs it grows into until its ack.
@@ -420,15 +421,34 @@ class Scheduler:
         ordered = self._order(live, now)
         considered = 0
         max_decisions = config.max_decisions
-        cut = f"queued: not considered this cycle (max_decisions={max_decisions} reached)"
-        for _key, view, req in ordered:
-            if cyc.actions >= max_decisions:
-                cyc.decisions.append(self._queue_decision(view.name, cut))
-                cyc.queued += 1
-                cyc.deferred += 1
-                continue
+        limit = config.max_considered or len(ordered)
+        rest: list[tuple[object, JobView, SliceRequest]] = []
+        for i, (_key, view, req) in enumerate(ordered):
+            if cyc.actions >= max_decisions or considered >= limit:
+                rest = ordered[i:]
+                break
             considered += 1
             self._consider(cyc, view, req)
+        if rest and cyc.actions < max_decisions:
+            # Behind the first ``max_considered``: placed where they fit now (backfill: no wait,
+            # balloon, shrink, preemption or reservation is planned for them), else queued.
+            behind = f"queued: behind the first {limit} in order (max_considered): placed only where it fits now"
+            fail_cache, blocked = cyc.fail_cache, cyc.ledger.blocked_jobs
+            unplaced: list[tuple[object, JobView, SliceRequest]] = []
+            for i, (okey, view, req) in enumerate(rest):
+                if cyc.actions >= max_decisions:
+                    rest = rest[i:]
+                    break
+                gpus = self._place(cyc, view, req, None if view.name in blocked else fail_cache.get(req.shape))
+                if gpus is None:
+                    unplaced.append((okey, view, req))
+                else:
+                    self._grant(cyc, view, req, gpus)
+            else:
+                rest = []
+            self._queue_all(cyc, unplaced, behind)
+        if rest:
+            self._queue_all(cyc, rest, f"queued: not considered this cycle (max_decisions={max_decisions} reached)")
 
         if cyc.queued == 0:
             self._deflate(cyc)
@@ -448,31 +468,7 @@ class Scheduler:
         now = cyc.snapshot.now
         shape = req.shape
         cached = None if view.name in ledger.blocked_jobs else cyc.fail_cache.get(shape)
-        gpus: list[int] | None = None
-        if view.name in cyc.pinned:
-            gpus = self._pinned(cyc, req, cyc.pinned[view.name])
-        if gpus is None and (cached is None or cached[0] != ledger.frees):
-            # A request at least as large as one that failed since the last free fails too (loads
-            # only grow while a cycle considers pending jobs); not for a job GPUs are held for.
-            generic = view.name not in ledger.blocked_jobs and view.name not in cyc.pinned and not req.per_node
-            nkey = _no_place_key(req) if generic else None
-            failed = cyc.no_place.get(nkey) if nkey is not None else None
-            frees = ledger.frees
-            memory, compute, peak, count = req.memory, req.compute, req.peak, req.min_count
-            if not failed or not any(
-                f == frees and m <= memory and c <= compute and p <= peak and n <= count for f, m, c, p, n in failed
-            ):
-                gpus = place(ledger, req)
-                if gpus is None and nkey is not None:
-                    # Keep only the smallest failures (an antichain): one that asks at least as
-                    # much as this one answers nothing this one does not.
-                    entries = [
-                        e
-                        for e in (failed or ())
-                        if e[0] == frees and not (memory <= e[1] and compute <= e[2] and peak <= e[3] and count <= e[4])
-                    ]
-                    entries.append((frees, memory, compute, peak, count))
-                    cyc.no_place[nkey] = entries
+        gpus = self._place(cyc, view, req, cached)
         if gpus is not None:
             self._grant(cyc, view, req, gpus)
             return
@@ -531,6 +527,39 @@ class Scheduler:
             else:
                 cyc.until = min(cyc.until, now + config.reserve_after_s - waited)
         self._queue(cyc, view, reason)
+
+    def _place(
+        self, cyc: _Cycle, view: JobView, req: SliceRequest, cached: tuple[int, str] | None
+    ) -> list[int] | None:
+        """Where ``req`` fits now (for a shrunk job, the GPUs it kept), or None; ``cached`` is
+        this cycle's failure for its shape, if any (it answers while nothing was freed since)."""
+        ledger = cyc.ledger
+        gpus: list[int] | None = None
+        if view.name in cyc.pinned:
+            gpus = self._pinned(cyc, req, cyc.pinned[view.name])
+        if gpus is None and (cached is None or cached[0] != ledger.frees):
+            # A request at least as large as one that failed since the last free fails too (loads
+            # only grow while a cycle considers pending jobs); not for a job GPUs are held for.
+            generic = view.name not in ledger.blocked_jobs and view.name not in cyc.pinned and not req.per_node
+            nkey = _no_place_key(req) if generic else None
+            failed = cyc.no_place.get(nkey) if nkey is not None else None
+            frees = ledger.frees
+            memory, compute, peak, count = req.memory, req.compute, req.peak, req.min_count
+            if not failed or not any(
+                f == frees and m <= memory and c <= compute and p <= peak and n <= count for f, m, c, p, n in failed
+            ):
+                gpus = place(ledger, req)
+                if gpus is None and nkey is not None:
+                    # Keep only the smallest failures (an antichain): one that asks at least as
+                    # much as this one answers nothing this one does not.
+                    entries = [
+                        e
+                        for e in (failed or ())
+                        if e[0] == frees and not (memory <= e[1] and compute <= e[2] and peak <= e[3] and count <= e[4])
+                    ]
+                    entries.append((frees, memory, compute, peak, count))
+                    cyc.no_place[nkey] = entries
+        return gpus
 
     def _order(
         self, live: list[tuple[JobView, SliceRequest]], now: float
@@ -801,6 +830,22 @@ class Scheduler:
     def _queue(self, cyc: _Cycle, view: JobView, reason: str) -> None:
         cyc.decisions.append(self._queue_decision(view.name, reason))
         cyc.queued += 1
+
+    def _queue_all(self, cyc: _Cycle, rest: list[tuple[object, JobView, SliceRequest]], reason: str) -> None:
+        """Queue every job of ``rest`` with one ``reason``, as jobs not considered in full: they
+        might have used free capacity or made a plan, so nothing grows this cycle (``deferred``).
+        One reason for all, so that each job's Queue decision stays the same object from cycle to
+        cycle while it stays behind."""
+        last, now_q, decisions = self._queued_last, self._queued_now, cyc.decisions
+        for _key, view, _req in rest:
+            name = view.name
+            q = last.get(name)
+            if q is None or q.reason != reason:
+                q = Queue(name, reason)
+            now_q[name] = q
+            decisions.append(q)
+        cyc.queued += len(rest)
+        cyc.deferred += len(rest)
 
     def _queue_decision(self, name: str, reason: str) -> Queue:
         """``Queue(name, reason)``; the last cycle's decision when it is equal (decisions are

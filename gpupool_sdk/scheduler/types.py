@@ -70,6 +70,12 @@ class SchedulerConfig:
         max_preemption_attempts: at most this many pending jobs per cycle search for balloon or
             preemption victims (the costly part of a cycle; the highest in queue order go first,
             the others try again next cycle, as in the Kubernetes scheduler).
+        max_considered: at most this many pending jobs, the first in queue order, are considered
+            per cycle (placed, or a wait, balloon, shrink, preemption or reservation planned for
+            them); the others are queued untouched until they move up, as Slurm's backfill
+            stops at ``bf_max_job_test`` jobs. A bound on a cycle's work with a long queue
+            (``docs/scheduler.md`` *Performance*); while it cuts, nothing grows elastically (a
+            job not looked at might have used the room). 0 = no bound.
         spread_idle_above: a one-slice job goes to an idle GPU rather than a partly used one while
             more than this fraction of the GPUs it may use are idle. Jobs sharing a GPU slow each
             other down, so packing pays only when GPUs get scarce; below the threshold the
@@ -115,6 +121,7 @@ class SchedulerConfig:
     max_reservations: int = 2
     resize_up: bool = True
     max_preemption_attempts: int = 32
+    max_considered: int = 0
     spread_idle_above: float = 0.25
     colocation_aware: bool = False
     shrink_elastic: bool = True
@@ -170,6 +177,11 @@ class SchedulerConfig:
             raise ConfigError("reserve_after_s", f"must be >= 0 seconds, got {self.reserve_after_s}")
         if self.max_preemption_attempts < 0:
             raise ConfigError("max_preemption_attempts", f"must be >= 0, got {self.max_preemption_attempts}")
+        mc = self.max_considered
+        if isinstance(mc, bool) or not isinstance(mc, int) or mc < 0:
+            raise ConfigError(
+                "max_considered", f"must be a whole number of pending jobs >= 0 (0 = consider every one), got {mc!r}"
+            )
         if self.las_promote_after_factor < 0:
             raise ConfigError(
                 "las_promote_after_factor", f"must be >= 0 (0 = no promotion), got {self.las_promote_after_factor}"
