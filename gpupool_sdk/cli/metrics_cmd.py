@@ -171,7 +171,7 @@ def report(
         timeout_s,
         watch_s,
         output,
-        lambda view: cost_report(view, prices, offers),
+        lambda view: cost_report(view, view.price_table(prices), offers),
         report_sections,
         security=security,
         no_headers=no_headers,

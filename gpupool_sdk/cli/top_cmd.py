@@ -7,6 +7,7 @@ cost. GPUs: memory and compute granted, measured use and the jobs on each.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +37,7 @@ from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import format_size
 from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.store.security import EtcdSecurity
-from gpupool_sdk.telemetry.pricing import PriceTable
+from gpupool_sdk.telemetry.pricing import CATALOG_PRICES_ENV, PRICES_ENV, PriceTable
 from gpupool_sdk.telemetry.report import phase_bar, top_report
 from gpupool_sdk.telemetry.view import PoolView, load_view
 
@@ -58,12 +59,19 @@ def prices_option(f: Callable[..., Any]) -> Callable[..., Any]:
         "prices_path",
         type=click.Path(dir_okay=False, path_type=Path),
         default=None,
-        help="JSON price overrides (default $GPUPOOL_PRICES, then the GPU catalog's list prices).",
+        help="JSON price overrides (default $GPUPOOL_PRICES, then the prices the leading coordinator "
+             "publishes from its policy file's [prices], then the GPU catalog's list prices).",
     )(f)
 
 
-def load_prices(path: Path | None) -> PriceTable:
-    """The price table, with a bad file reported as a usage error naming the file."""
+def load_prices(path: Path | None) -> PriceTable | None:
+    """The price table given here (``--prices``, ``$GPUPOOL_PRICES``, ``$GPUPOOL_GPU_PRICES``), None if
+    none is: the report then prices with the leader's published table (:meth:`PoolView.price_table`).
+
+    A bad file is reported as a usage error naming the file.
+    """
+    if path is None and not os.environ.get(PRICES_ENV) and not os.environ.get(CATALOG_PRICES_ENV):
+        return None
     try:
         return PriceTable.load(path)
     except ConfigError as exc:
@@ -251,6 +259,6 @@ def top(
     """
     prices = load_prices(prices_path)
     show_report(
-        endpoints, prefix, timeout_s, watch_s, output, lambda view: top_report(view, prices), top_sections,
+        endpoints, prefix, timeout_s, watch_s, output, lambda view: top_report(view, view.price_table(prices)), top_sections,
         security=security, no_headers=no_headers,
     )

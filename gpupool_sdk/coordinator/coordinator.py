@@ -77,7 +77,7 @@ _QUIET_PUTS = frozenset({"jobs.status", "allocations", "directives", "checkpoint
 
 # Keys that never need a cycle, put or deleted: the leader's own autoscale signal, and the
 # time-slicing turn and membership keys jobs pass between them every quantum.
-_IGNORED_KINDS = frozenset({"autoscale", "timeslice.turn", "timeslice.member"})
+_IGNORED_KINDS = frozenset({"autoscale", "prices", "timeslice.turn", "timeslice.member"})
 
 
 def _granted_slices(decisions: Sequence[Any], granted_jobs: Sequence[str]) -> dict[str, tuple[SliceGrant, ...]]:
@@ -227,6 +227,7 @@ class Coordinator:
         self._cache = DecodeCache()
         self.autoscaler = Autoscaler(autoscale) if autoscale is not None else None
         self._published_signal: AutoscaleSignal | None = None
+        self._prices_term = 0  # the term in which this replica last published its price table
         self.skip_unchanged = skip_unchanged
         # The last scheduled cycle, when all its decisions were applied: (inputs, valid_until).
         self._scheduled: tuple[tuple[int, int, int], float] | None = None
@@ -443,6 +444,7 @@ class Coordinator:
                 if self._ledger is not None:
                     self._forget_idle(state)
             signal = self._publish_autoscale(state, _granted_slices(decisions, report.granted_jobs))
+            self._publish_prices(fence.term)
             cycle = CycleReport(
                 term=fence.term,
                 revision=state.revision,
@@ -482,6 +484,20 @@ class Coordinator:
             except GpupoolError as e:  # the signal is advice: never let it fail a cycle
                 log.warning("could not publish the autoscale signal: %s", e)
         return signal
+
+    def _publish_prices(self, term: int) -> None:
+        """Write the price table the leader accrues with at ``{prefix}/prices`` once per term (fenced, no lease).
+
+        The CLI's cost and advice columns read it, so that ``gpupool top`` prices with the policy
+        file's ``[prices]`` without being given the file.
+        """
+        if self._prices_term == term:
+            return
+        try:
+            if self.writer.write([PutOp(self.keys.prices(), encode(self.prices))]):
+                self._prices_term = term
+        except GpupoolError as e:  # reporting only: never let it fail a cycle
+            log.warning("could not publish the price table: %s", e)
 
     # ------------------------------------------------------------------ orphans
 

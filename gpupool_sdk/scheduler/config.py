@@ -94,11 +94,7 @@ class PolicyConfig:
         sched = {f.name: _plain(getattr(self.scheduler, f.name)) for f in fields(SchedulerConfig)}
         out: dict[str, Any] = {"source": self.source, "overridden": list(self.overridden), "scheduler": sched}
         if self.prices is not None:
-            out["prices"] = {
-                "models": dict(self.prices.overrides),
-                "qos_factor": {q.value: f for q, f in self.prices.qos_factor.items()},
-                "default_per_hour_usd": self.prices.default_per_hour_usd,
-            }
+            out["prices"] = self.prices.to_dict()
         return out
 
     def describe(self) -> str:

@@ -186,6 +186,10 @@ class Keyspace:
     def autoscale(self) -> str:
         return self._k("autoscale")
 
+    # The operator's prices the leader accrues with (written by the leader each term).
+    def prices(self) -> str:
+        return self._k("prices")
+
     # Coordinator.
     def leader(self) -> str:
         return self._k("leader")
@@ -212,7 +216,7 @@ class Keyspace:
             "usage": 1,
             "results": 1,
         }
-        if head in ("leader", "term", "autoscale") and not rest:
+        if head in ("leader", "term", "autoscale", "prices") and not rest:
             return ParsedKey(head, ())
         if head == "timeslice" and len(rest) == 3 and rest[2] == "turn" and all(rest):
             return ParsedKey("timeslice.turn", rest[:2])

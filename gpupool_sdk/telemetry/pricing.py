@@ -165,6 +165,20 @@ class PriceTable:
         base = self.base_price(model)
         return None if base is None else base * self.factor(qos)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The table as the price file's JSON object (the operator's part; catalog prices are not copied).
+
+        Example:
+            >>> t = PriceTable(overrides={"H100-80GB": 2.0}, catalog=lambda m: None)
+            >>> PriceTable.from_dict(t.to_dict()).price_per_hour("H100-80GB", "shared")
+            1.0
+        """
+        return {
+            "models": dict(self.overrides),
+            "qos_factor": {QoS(q).value: f for q, f in self.qos_factor.items()},
+            "default_per_hour_usd": self.default_per_hour_usd,
+        }
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "prices") -> PriceTable:
         """Build a table from the override file's JSON object (see the module docstring)."""

@@ -290,7 +290,8 @@ class PoolMetricsCollector(Collector):
 
     Args:
         source: returns a fresh :class:`PoolView` (e.g. ``lambda: load_view(store)``).
-        prices: the price table for the current cost rate.
+        prices: the price table for the current cost rate (None: :meth:`PoolView.price_table`, the
+            leader's published table or the catalog).
         min_interval_s: scrapes closer together than this reuse the previous view, so an
             aggressive scraper cannot hammer etcd.
         clock: monotonic clock for ``min_interval_s`` (tests pass a fake).
@@ -320,7 +321,7 @@ class PoolMetricsCollector(Collector):
             raise ConfigError("finished_ttl_s", f"must be >= 0 seconds, got {finished_ttl_s}")
         self._finished_ttl_s = finished_ttl_s
         self._source = source
-        self._prices = prices if prices is not None else PriceTable()
+        self._prices = prices  # None: the leader's published table, else the catalog (PoolView.price_table)
         self._min_interval_s = min_interval_s
         self._clock = clock
         self._cached: tuple[float, PoolView] | None = None
@@ -346,7 +347,7 @@ class PoolMetricsCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
-        yield from pool_metrics(view, self._prices, self._finished_ttl_s)
+        yield from pool_metrics(view, view.price_table(self._prices), self._finished_ttl_s)
 
 
 @dataclass
@@ -395,7 +396,8 @@ def serve_metrics(
         port: TCP port (0 picks a free one; see :attr:`MetricsServer.port`).
         addr: address to bind, chosen by the caller (``"127.0.0.1"``: this machine only;
             ``"0.0.0.0"``: every interface, for a Prometheus elsewhere; ``"::"`` for IPv6).
-        prices: price table (default: ``PriceTable.load()``, i.e. ``$GPUPOOL_PRICES`` and the catalog).
+        prices: price table (default: the leading coordinator's published table, the policy file's
+            ``[prices]``; without one ``PriceTable.load()``, i.e. ``$GPUPOOL_PRICES`` and the catalog).
         min_interval_s: minimum seconds between two etcd reads.
         extra_collectors: more collectors to serve on the same endpoint (e.g. the coordinator's
             own cycle counters).
@@ -412,7 +414,7 @@ def serve_metrics(
     registry.register(
         PoolMetricsCollector(
             lambda: load_view(store),
-            prices if prices is not None else PriceTable.load(),
+            prices,
             min_interval_s,
             finished_ttl_s=finished_ttl_s,
         )

@@ -16,6 +16,7 @@ from gpupool_sdk.errors import SchemaError
 from gpupool_sdk.resources import Allocation, GpuInfo, JobSpec, JobStatus, LeaderRecord, NodeInfo
 from gpupool_sdk.store.codec import decode
 from gpupool_sdk.store.keyspace import Keyspace
+from gpupool_sdk.telemetry.pricing import PriceTable
 from gpupool_sdk.telemetry.summary import TelemetrySummary
 from gpupool_sdk.telemetry.usage import UsageRecord
 
@@ -28,6 +29,7 @@ _DECODERS: Mapping[str, type] = {
     "telemetry": TelemetrySummary,
     "usage": UsageRecord,
     "leader": LeaderRecord,
+    "prices": PriceTable,
 }
 
 
@@ -48,6 +50,8 @@ class PoolView:
         usage: usage records by job (they outlive the jobs).
         leader: the leader record, None when no coordinator leads.
         errors: one line per malformed value skipped (``"<key>: <what is wrong>"``).
+        prices: the price table the leader accrues with (``{prefix}/prices``: the policy file's
+            ``[prices]``), None when no leader published one.
     """
 
     now: float
@@ -62,6 +66,14 @@ class PoolView:
     usage: Mapping[str, UsageRecord] = field(default_factory=dict)
     leader: LeaderRecord | None = None
     errors: tuple[str, ...] = ()
+    prices: PriceTable | None = None
+
+    def price_table(self, explicit: PriceTable | None = None) -> PriceTable:
+        """The prices to report with: ``explicit`` (``--prices``, ``$GPUPOOL_PRICES``), else the
+        leader's published table, else the catalog's list prices."""
+        if explicit is not None:
+            return explicit
+        return self.prices if self.prices is not None else PriceTable.load()
 
     def allocations_of(self, job: str) -> list[Allocation]:
         """The slices ``job`` holds."""
@@ -95,6 +107,7 @@ def view_from_kvs(
     telemetry: dict[str, TelemetrySummary] = {}
     usage: dict[str, UsageRecord] = {}
     leader: LeaderRecord | None = None
+    prices: PriceTable | None = None
     errors: list[str] = []
     for key, raw in kvs:
         parsed = keyspace.parse(key)
@@ -127,6 +140,8 @@ def view_from_kvs(
             usage[parsed.parts[0]] = rec
         elif parsed.kind == "leader":
             leader = rec
+        elif parsed.kind == "prices":
+            prices = rec
     return PoolView(
         now=now,
         revision=revision,
@@ -140,6 +155,7 @@ def view_from_kvs(
         usage=usage,
         leader=leader,
         errors=tuple(errors),
+        prices=prices,
     )
 
 

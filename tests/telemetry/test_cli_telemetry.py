@@ -286,3 +286,38 @@ def test_watch_loop_backs_off_while_etcd_is_unreachable_and_resets_after_a_good_
     assert sleeps == [5.0, 10.0, 20.0, 30.0, 30.0, 30.0, 5.0, 5.0, 5.0]
     assert shown == [(1, True), (2, True)]
     assert "retrying in 20s" in capsys.readouterr().err
+
+
+def test_reports_price_with_the_leaders_published_table_unless_given_one(
+    store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy file's [prices] reach `gpupool top` and `metrics report` through `{prefix}/prices`."""
+    from gpupool_sdk.telemetry.pricing import CATALOG_PRICES_ENV, PRICES_ENV, PriceTable
+
+    monkeypatch.delenv(PRICES_ENV, raising=False)
+    monkeypatch.delenv(CATALOG_PRICES_ENV, raising=False)
+    populate(store)
+    store.put(keyspace.prices(), PriceTable(overrides={"H100-80GB": 6.0}))
+
+    def bert_rate(*args: str, prices: Path | None = None) -> float:
+        res = _run(["top", "-o", "json", *args], etcd_endpoint, keyspace, prices)
+        assert res.exit_code == 0, res.output
+        return float({j["job"]: j for j in json.loads(res.stdout)["jobs"]}["bert"]["cost_usd_per_hour"])
+
+    assert bert_rate() == pytest.approx(3.0)  # the published 6.0 x bert's half GPU
+    assert bert_rate(prices=prices_file) == pytest.approx(2.0)  # --prices wins
+    monkeypatch.setenv(PRICES_ENV, str(prices_file))
+    assert bert_rate() == pytest.approx(2.0)  # so does $GPUPOOL_PRICES
+    monkeypatch.delenv(PRICES_ENV)
+    rate = {}
+    for given in (None, prices_file):
+        res = _run(["metrics", "report", "-o", "json"], etcd_endpoint, keyspace, given)
+        assert res.exit_code == 0, res.output
+        rate[given] = json.loads(res.stdout)["cost_usd_per_hour"]
+    assert rate[None] == pytest.approx(1.5 * rate[prices_file])  # 6.0 against 4.0 per H100-hour
+    # A hand-edited, malformed table is reported naming its key, and the catalog prices are used.
+    store.put(keyspace.prices(), {"models": {"H100-80GB": "six"}})
+    res = _run(["top", "-o", "json"], etcd_endpoint, keyspace)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert any("prices" in e and "models.H100-80GB" in e for e in doc["errors"])
