@@ -50,6 +50,23 @@ class SignalWatch:
         if callable(prev) and prev is not signal.default_int_handler:
             prev(signum, frame)
 
+    def owns(self, handler: Any) -> bool:
+        """True when ``handler`` is this watch's own (as :func:`signal.getsignal` returns it)."""
+        return bool(handler == self._handle)
+
+    def reinstall(self, signum: int) -> bool:
+        """Put this watch's handler back for ``signum``, over one a framework installed after ours.
+
+        For a framework whose own handler calls ours but also acts on the signal in a way that
+        defeats the checkpoint (Lightning's SIGTERM stop). The handler found at :meth:`install`
+        stays chained. Main thread only; returns False (nothing done) elsewhere or for a signal
+        this watch does not handle.
+        """
+        if threading.current_thread() is not threading.main_thread() or signum not in self._previous:
+            return False
+        signal.signal(signum, self._handle)
+        return True
+
     def uninstall(self) -> None:
         """Put back the handlers found at :meth:`install` (where ours is still the one installed)."""
         if threading.current_thread() is not threading.main_thread():

@@ -24,6 +24,7 @@ What the callback relies on in Lightning's hook order (pinned by
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 from gpupool_lightning._compat import CALLBACK_BASES
@@ -144,7 +145,35 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
         self.runtime.close()
 
     # -- hooks -----------------------------------------------------------------------------
+    def _take_sigterm_from_lightning(self, trainer: Any) -> None:
+        """While this callback handles SIGTERM, Lightning's own SIGTERM stop is turned off.
+
+        At ``fit`` Lightning installs a SIGTERM handler that calls ours but also sets
+        ``trainer.received_sigterm``; its loops then raise ``SIGTERMException`` at the end of the
+        step, at the end of the epoch or inside validation: a ``SystemExit`` with code 0 and no
+        checkpoint. A SIGTERM that landed after this callback's step check, or at an epoch's last
+        batch (where the checkpoint waits for the next training step), made the script exit 0
+        without a checkpoint, and ``gpupool run`` then reported a finished job. Here our handler is
+        put back alone (the one found before ours stays chained) and a flag Lightning set before
+        this point is cleared: the checkpoint and exit 75 at the next step boundary decide alone.
+        Called from the first hooks after Lightning registered its handlers (sanity check, train
+        start); idempotent.
+        """
+        watch = self.runtime.signals
+        current = signal.getsignal(signal.SIGTERM)
+        chained = getattr(current, "signal_handlers", None)  # Lightning's _HandlersCompose
+        if watch.owns(current) or not chained or not any(watch.owns(h) for h in chained):
+            return  # ours alone already, or SIGTERM is not one of our preempt signals
+        watch.reinstall(signal.SIGTERM)
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None and getattr(connector, "received_sigterm", False):
+            connector.received_sigterm = False  # ours recorded it too: it is acted on at the next boundary
+
+    def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
+        self._take_sigterm_from_lightning(trainer)
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._take_sigterm_from_lightning(trainer)
         rt = self.runtime
         # The optimizers exist now: the balloon tier measures the footprint from here on.
         rt.start_training(getattr(trainer, "optimizers", []) or [])

@@ -496,3 +496,46 @@ def test_a_preempt_at_an_epochs_last_batch_resumes_with_early_stopping_strict(tm
     assert trainer.global_step == 24
     for a, b in zip(base.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("when", ["at_an_epochs_last_batch", "after_the_callbacks_step_check"])
+def test_sigterm_where_lightning_would_stop_still_checkpoints_and_exits_75(when: str, tmp_path: Path) -> None:
+    """Lightning's own SIGTERM handler (installed at ``fit``) makes its loops raise ``SIGTERMException``,
+    a ``SystemExit`` with code 0 and no checkpoint, at the end of the step, the epoch or inside
+    validation. A SIGTERM landing where the callback does not act at once (the epoch's last batch,
+    validation next; or after its check in that step) exited 0 without a checkpoint, and `gpupool
+    run` then called the job finished. The callback takes SIGTERM back: checkpoint, exit 75."""
+    import os
+    import signal
+
+    class WithValidation(TinyRegressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def val_dataloader(self) -> Any:
+            return self.train_dataloader()
+
+    class Term(pl.Callback):  # after the pool's callback in the list: its hooks run after the pool's
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if when == "at_an_epochs_last_batch" and trainer.global_step == 7:  # batch 8 of 8: validation next
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if when == "after_the_callbacks_step_check" and trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    lease = FakeLease("late")
+    pool = GpuPoolCallback(memory="1GiB", name="late", client=FakeClient(lease), checkpoint_dir=tmp_path)
+    torch.manual_seed(7)
+    trainer = make_trainer(pool, tmp_path, epochs=2, extra=[Term()])
+    try:
+        with pytest.raises(SystemExit) as exc:
+            trainer.fit(WithValidation(seed=7, samples=64, batch_size=8, num_workers=0, step_sleep=0.0))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert exc.value.code == 75 and lease.released
+    step = 9 if when == "at_an_epochs_last_batch" else 4  # the next training step acts
+    assert trainer.global_step == step and pool.runtime.resume_from
+    assert pool.runtime.resume_from.endswith(f"late-signal-step{step}.ckpt") and Path(pool.runtime.resume_from).exists()
