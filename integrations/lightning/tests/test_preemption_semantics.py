@@ -19,25 +19,30 @@ import torch
 
 from gpupool_sdk.client import PoolClient
 from gpupool_sdk.resources import JobSpec
-from gpupool_sdk.store.records import TelemetryRecord
 from integrations.lightning.tests.conftest import ROOT, LivePool, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCRIPT = str(ROOT / "examples" / "readme_train.py")
-ARGS = ["--epochs", "3", "--step-sleep", "0.1"]
+#: readme_train.py held at chosen steps until the callback has a signal or directive to act on.
+PAUSED = str(Path(__file__).with_name("paused_train.py"))
+ARGS = ["--epochs", "3"]
 STEPS = 3 * 192 // 8
 #: A whole run (or two, with a restart) of Lightning start-ups on a loaded 2-core machine: a bound, not a goal.
 LONG = 600.0
 
 
-def step_of(pool: LivePool, job: str) -> int:
-    got = pool.store.get_record(pool.keys.telemetry(job), TelemetryRecord)
-    return int(got[0].summary.get("step", 0)) if got else 0
+def run_script(pool: LivePool, label: str, run_args: list[str], *args: str, pause_at: tuple[int, ...] = ()
+               ) -> subprocess.Popen[Any]:
+    """``gpupool run RUN_ARGS -- python readme_train.py ARGS``; with ``pause_at``, held at those steps
+    (paused_train.py) until the signal or directive the test sends has reached the callback."""
+    script = [PAUSED, "--pause-dir", str(pool.tmp), *(f"--pause-at={s}" for s in pause_at)] if pause_at else [SCRIPT]
+    return pool.gpupool(label, "run", *run_args, "--", sys.executable, *script, *ARGS, *args)
 
 
-def run_script(pool: LivePool, label: str, run_args: list[str], *args: str) -> subprocess.Popen[Any]:
-    return pool.gpupool(label, "run", *run_args, "--", sys.executable, SCRIPT, *ARGS, *args)
+def wait_paused(pool: LivePool, step: int) -> None:
+    """Until the script is held inside training step ``step`` (its handlers installed, training under way)."""
+    wait_for(lambda: (pool.tmp / f"paused-at-{step}").exists(), LONG, what=f"the script to be held at step {step}")
 
 
 def baseline(pool: LivePool, tmp_path: Path) -> dict[str, Any]:
@@ -66,8 +71,9 @@ def test_preempted_readme_script_exits_75_resumes_and_matches_an_uninterrupted_r
 ) -> None:
     live_pool.start("node-a:1xA100-40GB")
     base = baseline(live_pool, tmp_path)
-    run = run_script(live_pool, "low", ["--name", "low", "--memory", "30GiB"], "--out", str(tmp_path / "low.pt"))
-    wait_for(lambda: step_of(live_pool, "low") >= 3, what="low to train")
+    run = run_script(live_pool, "low", ["--name", "low", "--memory", "30GiB"], "--out", str(tmp_path / "low.pt"),
+                     pause_at=(10,))
+    wait_paused(live_pool, 10)  # training, and still training when the directive lands
     client = PoolClient(endpoints=live_pool.endpoint, prefix=live_pool.keys.prefix)
     try:
         lease = client.acquire(JobSpec(name="urgent", memory="30GiB", qos="guaranteed", priority=10), timeout=120)
@@ -89,22 +95,23 @@ def test_sigterm_to_the_script_and_to_gpupool_run_checkpoint_requeue_and_match(
     live_pool.start("node-a:1xA100-40GB")
     base = baseline(live_pool, tmp_path)
     out = str(tmp_path / "job.pt")
-    run = run_script(live_pool, "job", ["--name", "job", "--memory", "30GiB"], "--out", out)
-    wait_for(lambda: step_of(live_pool, "job") >= 3, what="the job to train")
+    # Each signal lands while the script is held inside a known mid-epoch step (paused_train.py):
+    # training under way, the callback's handlers in place, the job far from its end.
+    run = run_script(live_pool, "job", ["--name", "job", "--memory", "30GiB"], "--out", out, pause_at=(10, 30))
+    wait_paused(live_pool, 10)
     # 1. SIGTERM to the script alone (a kubelet/OOM-style signal to the training process): it
-    #    checkpoints, exits 75, and the launcher queues it again.
-    (script,) = children(run.pid, "readme_train")  # not the client's helper process, also a child
+    #    checkpoints at the next step boundary, exits 75, and the launcher queues it again.
+    (script,) = children(run.pid, "paused_train")  # not the client's helper process, also a child
     os.kill(script, signal.SIGTERM)
     wait_for(lambda: "preempted; queueing again" in live_pool.log("job"), what="the job to be re-queued")
-    assert list((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt"))
-    first_signal_ckpts = set((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt"))
-    resumed_at = step_of(live_pool, "job")
-    wait_for(lambda: step_of(live_pool, "job") > resumed_at + 2, what="the job to train again")
-    # 2. SIGTERM to `gpupool run` (scancel, pod deletion): forwarded, checkpoint, launcher exits 75.
+    assert (live_pool.tmp / "ckpt" / "job-signal-step11.ckpt").exists(), live_pool.log("job")
+    # 2. SIGTERM to `gpupool run` (scancel, pod deletion) once the resumed script trains again:
+    #    forwarded, checkpoint, launcher exits 75.
+    wait_paused(live_pool, 30)
     run.send_signal(signal.SIGTERM)
     assert live_pool.wait_exit(run, "job", LONG) == 75, live_pool.log("job")
-    assert set((live_pool.tmp / "ckpt").glob("job-signal-step*.ckpt")) - first_signal_ckpts
-    assert not children(run.pid, "readme_train")
+    assert (live_pool.tmp / "ckpt" / "job-signal-step31.ckpt").exists(), live_pool.log("job")
+    assert not children(run.pid, "paused_train")
     wait_for(lambda: not live_pool.allocations("job"), what="the job's slices to be released")
     # 3. The outer system runs it again: it resumes and finishes with the same weights.
     again = run_script(live_pool, "job-2", ["--name", "job", "--memory", "30GiB"], "--out", out)
