@@ -18,9 +18,14 @@ Riding out etcd faults (issue 12):
   :data:`REVOKE_RETRY_S`), so the job's name and slices are free as soon as etcd is back instead
   of one TTL later (etcd restarts the TTL of every lease when it restarts).
 * **Restart under the same name**: the spec is created together with ``jobs/{job}/owner`` (host,
-  pids and start times). A spec left by this host's own earlier holder whose helper is gone, or
-  whose training process is gone (its helper is only releasing it), or on a lease this helper is
-  still revoking, is revoked and taken over instead of raising :class:`JobAlreadyRunningError`.
+  pids and start times, and this helper's random id). A spec left by this host's own earlier
+  holder whose helper is gone, or whose training process is gone (its helper is only releasing
+  it), or on a lease this helper is still revoking, or written by this very helper for a session
+  that has ended (a lease lost by a keepalive step-down that etcd still keeps, its revocation
+  under way), is revoked and taken over instead of raising :class:`JobAlreadyRunningError`.
+* **A lost lease frees the name**: the session ends (no more state reaches the job), the job is
+  told ``lost`` with the lease id, and a new acquire of the name goes ahead at once; a report
+  about an older lease of the job (a late keeper or watch) never ends a newer session.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -173,6 +179,8 @@ class Helper:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self.start_ticks = process_start_ticks(self.pid)
+        #: names this helper in the owner records it writes (in-process helpers share a pid).
+        self.helper_id = uuid.uuid4().hex
         self.parent_start_ticks = process_start_ticks(parent_pid) if parent_pid else None
 
     # ------------------------------------------------------------------ plumbing
@@ -273,8 +281,13 @@ class Helper:
             nonlocal keeper, created, session
             if self._stop.is_set() or not self.parent_alive():
                 raise GpupoolError(f"acquire of {job!r} abandoned: the training process is gone")
-            if keeper is None or keeper.lost:
-                fresh = LeaseKeeper(self.store, self.timing, on_lost=lambda exc: self.lost(job, exc))
+            if keeper is None or keeper.lost or keeper.stopped:
+                # A keeper whose lease was lost, or stopped because its session ended (the spec
+                # vanished while starting: lost() revoked it), cannot carry the job any more.
+                if keeper is not None:
+                    self._stop_keeper(keeper, job)
+                fresh = LeaseKeeper(self.store, self.timing,
+                                    on_lost=lambda exc: self.lost(job, exc, lease_id=fresh.lease_id))
                 fresh.start()
                 keeper, created = fresh, False
             if not created:
@@ -323,7 +336,9 @@ class Helper:
                     self.sessions.pop(job, None)
             if session is not None:
                 self._end(session, revoke=True)
-            elif keeper is not None:
+            if keeper is not None and (session is None or session.keeper is not keeper):
+                # A newer lease than the session's (its spec create may have landed with the reply
+                # lost): left running, it would hold the job's name for ever.
                 self._stop_keeper(keeper, job)
             raise
 
@@ -337,6 +352,7 @@ class Helper:
         job = spec.name
         spec_key, owner_key = self.keys.job_spec(job), self.keys.job_owner(job)
         owner = encode({"host": self.host, "helper_pid": self.pid, "helper_start": self.start_ticks,
+                        "helper_id": self.helper_id,
                         "parent_pid": self.parent_pid, "parent_start": self.parent_start_ticks, "lease": lease_id,
                         "at": time.time()}, kind="JobOwner")
         for _ in range(3):
@@ -389,6 +405,13 @@ class Helper:
             return None
         if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
             return None
+        if owner.get("helper_id") == self.helper_id:
+            # This very helper wrote it, and no live session of it holds that lease: a session
+            # that lost its lease (its revocation may still be under way, or the step-down came
+            # before etcd expired it) or a keeper an interrupted acquire left behind.
+            with self._lock:
+                live = any(x.lease_id == kv.lease and not x.ended for x in self.sessions.values())
+            return None if live else "this helper's own earlier session of the job has ended"
         if not process_alive(pid, start):
             return f"the I/O helper that held it (pid {pid} on {self.host}) is gone"
         # The helper lives on, but its training process is gone: it is only revoking (or about to).
@@ -461,7 +484,8 @@ class Helper:
                 if all(kv.key != self.keys.job_spec(job) for kv in kvs):
                     s.spec_gone = True
             if s.spec_gone:
-                self.lost(job, LeaseLostError(f"etcd lease {s.lease_id:x} of job {job!r} is gone: its spec key vanished"))
+                self.lost(job, LeaseLostError(f"etcd lease {s.lease_id:x} of job {job!r} is gone: its spec key vanished"),
+                          lease_id=s.lease_id)
             else:
                 self.evaluate(s)
             return rev
@@ -488,7 +512,7 @@ class Helper:
                     self._apply_job_key(s, ev.kv, deleted=ev.type == "delete")
             if s.spec_gone:
                 reason = f"etcd lease {s.lease_id:x} of job {s.job!r} was revoked or expired: its spec key is gone"
-                self.lost(job, LeaseLostError(reason))
+                self.lost(job, LeaseLostError(reason), lease_id=s.lease_id)
                 return
             self.evaluate(s)
 
@@ -563,7 +587,8 @@ class Helper:
             self.send({"op": "state", "job": s.job, "lease_id": s.lease_id, "status": s.status, "allocations": allocs})
             if s.spec.is_gang and s.ever_granted and s.status is not None and s.status.state is JobState.PENDING:
                 # Another node of the gang left: the leader released every node (no half-gang trains).
-                self.lost(s.job, LeaseLostError(f"gang {s.job!r} was released on every node: {s.status.reason}"))
+                self.lost(s.job, LeaseLostError(f"gang {s.job!r} was released on every node: {s.status.reason}"),
+                          lease_id=s.lease_id)
                 return
             if s.pending_id is None or s.starting:
                 return
@@ -639,12 +664,23 @@ class Helper:
         if s is not None:
             self._end(s, revoke=True)
 
-    def lost(self, job: str, exc: GpupoolError) -> None:
+    def lost(self, job: str, exc: GpupoolError, lease_id: int | None = None) -> None:
+        """End ``job``'s session after its lease was lost; resubmit it if it was still waiting.
+
+        Args:
+            job: the job's name.
+            exc: why (sent to the training process).
+            lease_id: the lease that was lost; a report about another lease than the session's
+                (an older session's keeper or watch, late) is ignored.
+        """
         with self._lock:
             s = self.sessions.get(job)
-            if s is None or s.ended:
+            if s is None or s.ended or (lease_id is not None and s.lease_id != lease_id):
                 return
             self.sessions.pop(job, None)
+            # Ended now, not after the revocation below: no state of this session may reach the
+            # job after its "lost", when the job may already be acquiring the name again.
+            s.ended = True
             pending, s.pending_id = s.pending_id, None
             left = None if s.deadline is None else s.deadline - time.monotonic()
             if s.starting:
@@ -660,7 +696,7 @@ class Helper:
             else:
                 resubmit = False
         if not resubmit:
-            self.send({"op": "lost", "job": job, "error": pack_error(exc)})
+            self.send({"op": "lost", "job": job, "lease_id": s.lease_id, "error": pack_error(exc)})
             if pending is not None:
                 self.reply(pending, error=exc)
         self._end(s, revoke=True)

@@ -30,6 +30,8 @@ class Lease:
     Created by :meth:`PoolClient.acquire`. When the lease is lost (keepalive failed beyond the
     TTL, or revoked by the pool) :attr:`lost` turns True, the lost callbacks fire at once and
     :attr:`allocations` reports nothing: the job never believes it holds a slice it lost.
+    A lost lease no longer holds the job's name: the job may call :meth:`PoolClient.acquire`
+    again at once (with or without :meth:`release`, which is then a no-op).
 
     Example:
         >>> lease = pool.acquire(JobSpec(name="bert", memory="20GiB"), timeout=600)   # doctest: +SKIP
@@ -241,6 +243,9 @@ class Lease:
         with self._cond:
             if self._lost_reason is not None or self._released:
                 return
+            # The helper has ended the job's session: free the name before anyone can see the
+            # loss, so a job that re-acquires on noticing it is not refused as "already held".
+            self._client._forget(self)
             self._lost_reason = reason
             callbacks = list(self._callbacks)
             self._cond.notify_all()

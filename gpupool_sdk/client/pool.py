@@ -361,6 +361,9 @@ class PoolClient:
         elif op == "directive":
             lease._push_directive(msg["directive"])
         elif op == "lost":
+            lost_id = msg.get("lease_id")
+            if lost_id and lease.etcd_lease_id and lost_id != lease.etcd_lease_id:
+                return  # about an earlier lease of the same name, not this one
             lease._mark_lost(unpack_error(msg["error"]))
 
     def _publish_telemetry(self, job: str, summary: dict[str, Any]) -> None:
@@ -384,7 +387,13 @@ class PoolClient:
             time.sleep(self.telemetry_interval_s)
 
     def _forget(self, lease: Lease) -> None:
-        self._leases.pop(lease.job, None)
+        """Drop ``lease`` (released or lost) so its job's name can be acquired again.
+
+        Only this very lease is dropped: a lease lost earlier and released later must not take a
+        newer lease of the same name with it.
+        """
+        if self._leases.get(lease.job) is lease:
+            self._leases.pop(lease.job, None)
         if self._routes.get(lease.job) is lease:
             self._routes.pop(lease.job, None)
 
@@ -409,6 +418,8 @@ class PoolClient:
 
         Raises:
             JobAlreadyRunningError: a live job of the same name exists (the message names its lease).
+                A lease of this client that was lost (revoked, expired, stepped down) is not
+                live: the name can be acquired again at once, without calling ``release()``.
             JobRejectedError: the pool rejected the spec as impossible (the reason says why).
             AcquireTimeoutError: not granted in time; the lease was revoked, nothing is left behind.
             StoreUnavailableError: etcd stayed unreachable until ``timeout`` ran out. Shorter
@@ -459,6 +470,8 @@ class PoolClient:
         # The helper sent the granted state before this reply, so the lease already holds it.
         lease._granted(int(result["lease_id"]))
         self._leases[spec.name] = lease
+        if lease.lost:
+            self._forget(lease)  # lost between the grant and here: the name is free again
         return lease
 
     def _explain_waiting(self, lease: Lease) -> WaitReporter:
@@ -600,6 +613,8 @@ class PoolClient:
             raise
         lease._granted(int(result["lease_id"]))
         self._leases[spec.name] = lease
+        if lease.lost:
+            self._forget(lease)
         return lease
 
     def resume_info(self, job: str) -> Checkpoint | None:
@@ -620,7 +635,7 @@ class PoolClient:
 
     @property
     def leases(self) -> tuple[Lease, ...]:
-        """Leases held by this client now."""
+        """Leases held by this client now (neither released nor lost)."""
         return tuple(self._leases.values())
 
     def close(self) -> None:

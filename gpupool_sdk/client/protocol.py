@@ -14,7 +14,7 @@ Helper -> training process::
     {"op": "reply", "id", "result": Any, "error": (class name, message) | None}
     {"op": "state", "job", "lease_id", "status": JobStatus | None, "allocations": tuple[Allocation, ...]}
     {"op": "directive", "job", "directive": Directive}
-    {"op": "lost", "job", "error": (class name, message)}
+    {"op": "lost", "job", "lease_id": int (absent for a gang member), "error": (class name, message)}
 
 Every message is a plain dict of picklable values (the records are frozen dataclasses).
 """

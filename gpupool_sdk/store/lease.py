@@ -71,6 +71,11 @@ class LeaseKeeper:
         return self._lost.is_set()
 
     @property
+    def stopped(self) -> bool:
+        """True once :meth:`stop` was called (the lease is no longer kept alive, maybe revoked)."""
+        return self._stop.is_set()
+
+    @property
     def lost_reason(self) -> GpupoolError | None:
         return self._lost_reason
 
