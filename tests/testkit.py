@@ -9,17 +9,19 @@ a ``conftest`` module and the first one imported wins.
   ``pytest_runtest_makereport`` hook of ``tests/conftest.py``).
 * ``stop_groups``: SIGTERM the process groups of processes started with
   ``start_new_session=True``, then SIGKILL the ones still there after a grace period.
+* ``mps_control_daemon``: a real CUDA MPS control daemon for a GPU test (skips without one).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -103,3 +105,30 @@ def build_fake_cudart(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, An
     lib.fake_set_limit.argtypes = [ctypes.c_longlong]
     lib.fake_in_use.restype = ctypes.c_longlong
     return str(out), lib
+
+
+@contextlib.contextmanager
+def mps_control_daemon(tmp_path: Path) -> Iterator[tuple[str, str, dict[str, str]]]:
+    """A real CUDA MPS control daemon on pipe and log folders under ``tmp_path``, quit on exit.
+
+    Yields ``(pipe_dir, log_dir, env)``, ``env`` being ``os.environ`` with the daemon's
+    ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``. Skips the test where there is no CUDA
+    GPU, no ``nvidia-cuda-mps-control``, or the daemon does not start.
+    """
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        pytest.skip("nvidia-cuda-mps-control is not installed")
+    pipe, log = tmp_path / "pipe", tmp_path / "log"
+    pipe.mkdir()
+    log.mkdir()
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log)}
+    started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
+    if started.returncode != 0:
+        pytest.skip(f"cannot start an MPS control daemon here: {started.stderr.strip()}")
+    try:
+        yield str(pipe), str(log), env
+    finally:
+        subprocess.run([control], input="quit\n", env=env, text=True, timeout=30)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from testkit import mps_control_daemon
 
 from gpupool_sdk.client.mps import mps_environment, thread_percentage, visible_devices
 from gpupool_sdk.resources import Allocation, GiB, QoS
@@ -67,25 +67,10 @@ PROBE = textwrap.dedent(
 @pytest.mark.gpu
 def test_mps_limits_hold_on_a_real_gpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Under a real MPS control daemon, the pinned memory limit from a grant is enforced by the driver."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip("nvidia-cuda-mps-control is not installed")
-    pipe, log = tmp_path / "pipe", tmp_path / "log"
-    pipe.mkdir()
-    log.mkdir()
-    daemon_env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log)}
-    started = subprocess.run([control, "-d"], env=daemon_env, capture_output=True, text=True, timeout=30)
-    if started.returncode != 0:
-        pytest.skip(f"cannot start an MPS control daemon here: {started.stderr.strip()}")
-    try:
+    with mps_control_daemon(tmp_path) as (pipe, log, _):
         grant = [alloc("GPU-x", 0, share=0.25, memory=2 * GiB, node="here")]
-        env = {**os.environ, **mps_environment(grant, "here", pipe_dir=str(pipe), log_dir=str(log)), "CUDA_VISIBLE_DEVICES": "0"}
+        env = {**os.environ, **mps_environment(grant, "here", pipe_dir=pipe, log_dir=log), "CUDA_VISIBLE_DEVICES": "0"}
         out = subprocess.run([sys.executable, "-c", PROBE, str(3 * GiB)], env=env, capture_output=True, text=True, timeout=120)
         print(out.stdout, out.stderr)
         assert out.returncode == 0, out.stderr
         assert "refused" in out.stdout  # 3 GiB over a 2 GiB pinned limit
-    finally:
-        subprocess.run([control], input="quit\n", env=daemon_env, text=True, timeout=30)

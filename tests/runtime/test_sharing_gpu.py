@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testkit import mps_control_daemon
 
 from gpupool_sdk.resources import Allocation, GiB, QoS
 from gpupool_sdk.store import EtcdStore
@@ -55,23 +55,8 @@ GRANT_THEN_CUDA = textwrap.dedent(
 
 @pytest.fixture
 def mps_daemon(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip("nvidia-cuda-mps-control is not installed")
-    pipe, log = tmp_path / "pipe", tmp_path / "log"
-    pipe.mkdir()
-    log.mkdir()
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log)}
-    started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
-    if started.returncode != 0:
-        pytest.skip(f"cannot start an MPS control daemon here: {started.stderr.strip()}")
-    try:
-        yield str(pipe), env
-    finally:
-        subprocess.run([control], input="quit\n", env=env, text=True, timeout=30)
+    with mps_control_daemon(tmp_path) as (pipe, _, env):
+        yield pipe, env
 
 
 def _probe(pipe: str, order: str) -> tuple[dict[str, str], str]:
