@@ -292,6 +292,18 @@ def run_job(
             return
         raise _StopWaiting(signum)
 
+    def requeue(why: str) -> bool:
+        """After a preemption or a lost lease: release, count it; False once --max-preemptions is spent."""
+        nonlocal lease, preemptions
+        lease.release()
+        lease = None
+        preemptions += 1
+        if preemptions > max_preemptions:
+            say(f"{why}; giving up after {max_preemptions} preemptions")
+            return False
+        say(f"{why}; queueing again (preemption {preemptions})")
+        return True
+
     is_main = threading.current_thread() is threading.main_thread()
     if is_main:
         for signum in FORWARDED:
@@ -372,13 +384,8 @@ def run_job(
                     # A preemption superseded the resize: the coordinator took the slices back at the
                     # resize's ack (its checkpoint stands). A preemption like any other: queue again.
                     say(f"preempted during the resize ({st.reason})")
-                    lease.release()
-                    lease = None
-                    preemptions += 1
-                    if preemptions > max_preemptions:
-                        say(f"preempted; giving up after {max_preemptions} preemptions")
+                    if not requeue("preempted"):
                         return 1
-                    say(f"preempted; queueing again (preemption {preemptions})")
                     continue
                 say("no re-grant after the resize" + (f" ({lease.lost_reason})" if lease.lost else "")
                     + "; queueing again")
@@ -393,13 +400,8 @@ def run_job(
                 if not lost and server.preempt_acked.is_set():
                     # The coordinator takes the slices back after the ack; a signal had no directive.
                     lease.wait_released(timeout=30.0)
-                lease.release()
-                lease = None
-                preemptions += 1
-                if preemptions > max_preemptions:
-                    say(f"{why}; giving up after {max_preemptions} preemptions")
+                if not requeue(why):
                     return 1
-                say(f"{why}; queueing again (preemption {preemptions})")
                 continue
             lease.release()
             lease = None

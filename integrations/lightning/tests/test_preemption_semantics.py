@@ -172,3 +172,15 @@ def test_sigterm_to_a_queued_gpupool_run_stops_it_at_once(live_pool: LivePool, t
         wait_for(lambda: live_pool.status("waiter") is None, what="the queued job's keys to go")
     finally:
         client.close()
+
+
+def test_a_script_preempted_past_max_preemptions_gives_up(live_pool: LivePool) -> None:
+    """Every exit 75 is a preemption: released, queued again, counted; past ``--max-preemptions`` it gives up (1)."""
+    live_pool.start("node-a:1xA100-40GB")
+    run = live_pool.gpupool("again", "run", "--name", "again", "--memory", "1GiB", "--max-preemptions", "1", "--",
+                            sys.executable, "-c", "import sys; sys.exit(75)")
+    assert live_pool.wait_exit(run, "again", LONG) == 1, live_pool.log("again")
+    log = live_pool.log("again")
+    assert log.count("running:") == 2 and "preempted; queueing again (preemption 1)" in log, log
+    assert "preempted; giving up after 1 preemptions" in log and "queueing again (preemption 2)" not in log, log
+    wait_for(lambda: live_pool.status("again") is None, what="the job's keys to go")
