@@ -34,7 +34,14 @@ from operator import itemgetter
 
 from gpupool_sdk.resources import DirectiveKind, JobSpec, JobState, QoS
 from gpupool_sdk.resources.units import format_size
-from gpupool_sdk.scheduler.filter import SliceRequest, fits, predicted_peak, request_for, unschedulable_reason
+from gpupool_sdk.scheduler.filter import (
+    GpuLoad,
+    SliceRequest,
+    fits,
+    predicted_peak,
+    request_for,
+    unschedulable_reason,
+)
 from gpupool_sdk.scheduler.health import health_preemptions, unusable_gpus
 from gpupool_sdk.scheduler.horizon import HorizonMemo, running_horizon, time_dependent_order
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
@@ -293,6 +300,12 @@ class Scheduler:
         #: Queue decisions of the last cycle and of this one, by job (see :meth:`_queue_decision`).
         self._queued_last: dict[str, Queue] = {}
         self._queued_now: dict[str, Queue] = {}
+        #: reservations of the last cycle and of this one, by job (``keep_reservations``; see
+        #: :meth:`_kept_reservation`): (request shape, GPUs, their loads when chosen), while the
+        #: GPU layout is the same.
+        self._kept_last: dict[str, tuple[tuple[object, ...], tuple[int, ...], tuple[GpuLoad, ...]]] = {}
+        self._kept_now: dict[str, tuple[tuple[object, ...], tuple[int, ...], tuple[GpuLoad, ...]]] = {}
+        self._kept_layout: GpuLayout | None = None
         #: per running job in the last victim index: (view, running priority, LAS standing).
         self._standings: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
 
@@ -306,6 +319,9 @@ class Scheduler:
         self._queued_last, self._queued_now = self._queued_now, {}
         ledger = build_ledger(snapshot, config, self._memo)
         cyc = _Cycle(snapshot, config, ledger)
+        same_layout = self._kept_layout is ledger.layout
+        self._kept_last, self._kept_now = (self._kept_now if same_layout else {}), {}
+        self._kept_layout = ledger.layout
         now = snapshot.now
 
         # Protocol: acks and deadlines.
@@ -519,8 +535,13 @@ class Scheduler:
         if cyc.reservations < config.max_reservations:
             waited = waited_s(view, now)
             if waited >= config.reserve_after_s:
-                hold = self._reservation(cyc, view, req, prio)
+                hold = self._kept_reservation(cyc, view.name, req) if config.keep_reservations else None
+                if hold is None:
+                    hold = self._reservation(cyc, view, req, prio)
                 if hold:
+                    if config.keep_reservations:
+                        loads = ledger.loads
+                        self._kept_now[view.name] = (req.shape, tuple(hold), tuple(loads[i].copy() for i in hold))
                     ledger.block(hold, view.name)
                     cyc.reservations += 1
                     reason += f"; {_count(len(hold), 'GPU')} reserved for it (others backfill elsewhere)"
@@ -899,6 +920,22 @@ class Scheduler:
             layout += f" away from group {req.anti_affinity}"
         want = f"{req.min_count}-{req.count}" if req.min_count < req.count else str(req.count)
         return f"queued: needs {want} x {what}{layout} among {matching} matching"
+
+    def _kept_reservation(self, cyc: _Cycle, name: str, req: SliceRequest) -> list[int] | None:
+        """The GPUs ``name`` held as its reservation last cycle, when that cycle reserved for it,
+        its request has the same shape and each of those GPUs carries the same load as when they
+        were chosen and is held for nobody else (``keep_reservations``): the job keeps its
+        nominated GPUs, as a preemptor keeps its nominated node in the Kubernetes scheduler,
+        instead of a new search over every job holding capacity. Else None."""
+        kept = self._kept_last.get(name)
+        if kept is None or kept[0] != req.shape:
+            return None
+        ledger = cyc.ledger
+        loads, blocked = ledger.loads, ledger.blocked
+        for i, load in zip(kept[1], kept[2], strict=True):
+            if loads[i] != load or blocked.get(i, name) != name:
+                return None
+        return list(kept[1])
 
     def _reservation(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> list[int] | None:
         """GPUs to hold for a long-blocked ``view``: where it fits once the cheapest set of running

@@ -70,6 +70,10 @@ class SchedulerConfig:
         max_preemption_attempts: at most this many pending jobs per cycle search for balloon or
             preemption victims (the costly part of a cycle; the highest in queue order go first,
             the others try again next cycle, as in the Kubernetes scheduler).
+        keep_reservations: a blocked job that held a reservation in the last cycle keeps the
+            same GPUs while each carries the same load and is held for nobody else, instead of a
+            new search over every job holding capacity (the Kubernetes scheduler's nominated
+            node); False searches again each cycle.
         max_considered: at most this many pending jobs, the first in queue order, are considered
             per cycle (placed, or a wait, balloon, shrink, preemption or reservation planned for
             them); the others are queued untouched until they move up, as Slurm's backfill
@@ -122,6 +126,7 @@ class SchedulerConfig:
     resize_up: bool = True
     max_preemption_attempts: int = 32
     max_considered: int = 0
+    keep_reservations: bool = False
     spread_idle_above: float = 0.25
     colocation_aware: bool = False
     shrink_elastic: bool = True

@@ -1,4 +1,6 @@
-"""``SchedulerConfig.max_considered``: a bound on the pending jobs a cycle considers in full.
+"""Bounds on a cycle's work (issue 14): ``max_considered`` and ``keep_reservations``.
+
+``SchedulerConfig.max_considered`` bounds the pending jobs a cycle considers in full.
 
 The first ``max_considered`` pending jobs in queue order are considered as without the bound
 (placed, or a wait, balloon, shrink, preemption or reservation planned for them); the jobs
@@ -7,6 +9,10 @@ nothing grows elastically in that cycle. Checked here: the backfill, that nothin
 a job behind the bound, the validation, and on randomized congested snapshots (those of
 ``test_cycle_caches``) that the jobs within the bound are decided exactly as without it and a
 bound at least as long as the queue changes nothing.
+
+``keep_reservations``: a blocked job keeps last cycle's reserved GPUs while they carry the same
+load (no new search); checked: reuse, a new search once a GPU changed, and the same decisions as
+new searches when nothing changed.
 """
 
 from __future__ import annotations
@@ -108,3 +114,55 @@ def test_within_the_bound_the_same_decisions(monkeypatch: pytest.MonkeyPatch) ->
         if any(isinstance(d, Queue) and "max_considered" in d.reason for d in bounded.decisions):
             cut_somewhere += 1
     assert cut_somewhere > 10  # the bound did cut on many of the snapshots
+
+
+# ---------------------------------------------------------------- keep_reservations
+
+FOUR = gpus("node-a:2xA100-40GB:pcie,node-b:2xA100-40GB:pcie")
+
+
+def _blocked_pool(now: float) -> list:  # type: ignore[type-arg]
+    # Four GPUs busy with higher-priority jobs (never preempted by "wide"), "wide" waiting long.
+    runners = [
+        running(job(f"r{i}", order=i, memory=30 * GiB, qos="guaranteed", priority=5), [g], granted_at=100.0 * i)
+        for i, g in enumerate(FOUR.values())
+    ]
+    wide = job("wide", order=9, gpus=2, memory=30 * GiB, qos="guaranteed", topology="pack", queued_at=0.0)
+    return [*runners, wide]
+
+
+def test_a_kept_reservation_is_reused_while_its_gpus_are_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real = Scheduler._reservation
+
+    def counting(self: Scheduler, *a: object) -> object:
+        calls["n"] += 1
+        return real(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Scheduler, "_reservation", counting)
+    sched = Scheduler(SchedulerConfig(keep_reservations=True, aging_s_per_priority=0.0, max_wait_s=0.0))
+    jobs = _blocked_pool(0.0)
+    first = only(sched.schedule(snap(FOUR, jobs, now=10_000.0)), "wide")
+    assert calls["n"] == 1 and "reserved for it" in first.reason
+    again = only(sched.schedule(snap(FOUR, jobs, now=10_010.0)), "wide")
+    assert calls["n"] == 1  # kept: no new search
+    assert again == first
+    # A holder of one of its GPUs leaves: that GPU's load changed, so it searches again.
+    held = sched._kept_now["wide"][1]
+    gone = next(j for j in jobs if j.allocations and FOUR[j.allocations[0].gpu_uuid] is sched._memo.layout.gpus[held[0]])
+    rest = [j for j in jobs if j is not gone]
+    sched.schedule(snap(FOUR, rest, now=10_020.0))
+    assert calls["n"] == 2
+
+
+def test_kept_reservations_decide_like_new_searches_when_nothing_changed() -> None:
+    """Mechanism on/off: the same snapshot scheduled twice gives the same decisions with and
+    without ``keep_reservations`` (each kept reservation is the one a new search finds)."""
+    kept = 0
+    for seed in range(SEEDS // 6):
+        s, cfg = congested(seed)
+        on, off = Scheduler(replace(cfg, keep_reservations=True)), Scheduler(cfg)
+        assert on.run(s).decisions == off.run(s).decisions, seed
+        assert on.run(s).decisions == off.run(s).decisions, seed
+        kept += len(on._kept_last) > 0
+    assert kept > 3  # reservations were made and kept on many snapshots
