@@ -281,11 +281,12 @@ class Helper:
             nonlocal keeper, created, session
             if self._stop.is_set() or not self.parent_alive():
                 raise GpupoolError(f"acquire of {job!r} abandoned: the training process is gone")
-            if keeper is None or keeper.lost or keeper.stopped:
+            if keeper is not None and (keeper.lost or keeper.stopped):
                 # A keeper whose lease was lost, or stopped because its session ended (the spec
                 # vanished while starting: lost() revoked it), cannot carry the job any more.
-                if keeper is not None:
-                    self._stop_keeper(keeper, job)
+                self._stop_keeper(keeper, job)
+                keeper = None
+            if keeper is None:
                 fresh = LeaseKeeper(self.store, self.timing,
                                     on_lost=lambda exc: self.lost(job, exc, lease_id=fresh.lease_id))
                 fresh.start()
@@ -306,11 +307,15 @@ class Helper:
                     w.cancel()
                 session.watchers.clear()
                 raise
-            if keeper.lost or session.ended:
-                # Lost while setting up (an outage past the TTL): go again with a new lease.
-                raise StoreUnavailableError(f"the lease of {job!r} was lost while its acquire was starting")
-            session.starting = False
-            return session
+            with self._lock:
+                # Checked and cleared under the lock lost() reads ``starting`` under: a loss that
+                # lands in between must either see the session starting (this thread goes again)
+                # or not (lost() resubmits it); else nobody would answer the acquire.
+                if not (keeper.lost or session.ended):
+                    session.starting = False
+                    return session
+            # Lost while setting up (an outage past the TTL): go again with a new lease.
+            raise StoreUnavailableError(f"the lease of {job!r} was lost while its acquire was starting")
 
         def give_up(state: Any) -> bool:
             return deadline is not None and time.monotonic() >= deadline
