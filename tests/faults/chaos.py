@@ -62,11 +62,11 @@ CLIENT = Path(__file__).with_name("fault_client.py")
 #: Fault kinds for a single-member etcd and for a 3-member one.
 SINGLE_KINDS = (
     "kill_leader", "stop_leader", "kill_agent", "stop_agent", "kill_client", "kill_client_with_helper",
-    "stop_client", "kill_etcd", "kill_etcd_past_ttl", "garbage",
+    "stop_client", "revoke_client", "kill_etcd", "kill_etcd_past_ttl", "garbage",
 )
 CLUSTER_KINDS = (
-    "kill_leader", "stop_leader", "kill_agent", "kill_client", "kill_client_with_helper", "kill_member",
-    "kill_raft_leader", "stop_member", "garbage",
+    "kill_leader", "stop_leader", "kill_agent", "kill_client", "kill_client_with_helper", "revoke_client",
+    "kill_member", "kill_raft_leader", "stop_member", "garbage",
 )
 KINDS = tuple(dict.fromkeys(SINGLE_KINDS + CLUSTER_KINDS))
 
@@ -189,6 +189,7 @@ class FaultRun:
         self._collision_seen: dict[str, int] = {}
         self._breaches: set[str] = set()
         self._kills: list[tuple[float, str]] = []  # (time, client name) when a client process was killed
+        self._revokes: list[tuple[float, str]] = []  # (time, client name) when a held lease was revoked
         self._leader_faults: list[tuple[float, int, str]] = []  # (time, term of the leader it hit, kind)
         self._etcd_up: list[float] = []
         self.start_revision = 0
@@ -458,6 +459,13 @@ class FaultRun:
         if kind in ("kill_agent", "stop_agent"):
             i = self.rng.randrange(len(cfg.nodes))
             p = self.procs[f"agent-{i}"]
+            node = self.node_of_agent[i]
+            assert self.store is not None
+            try:
+                before = self.store.get(self.keys.node(node))
+            except GpupoolError:
+                before = None
+            old_lease = before.lease if before is not None else None
             if kind == "kill_agent":
                 self._kill(p)
                 time.sleep(1.0)
@@ -467,14 +475,19 @@ class FaultRun:
                 time.sleep(2.0)
                 self._signal(p, signal.SIGCONT)
             # One fault at a time: wait until the node's GPUs are published again (a restarted
-            # agent needs a Python start-up, tens of seconds on a busy machine).
-            node = self.node_of_agent[i]
+            # agent needs a Python start-up, tens of seconds on a busy machine). After a kill,
+            # by the new process: the killed one's keys outlive it by its TTL, and an etcd fault
+            # injected while the new one still starts makes it exit (a first registration that
+            # cannot reach etcd fails fast, by design), leaving the node's jobs without GPUs.
             want = {g.uuid for g in self.gpus if g.node == node}
-            assert self.store is not None
+
+            def republished() -> bool:
+                kvs = self.store.get_prefix(self.keys.gpus_prefix(node))[0]  # type: ignore[union-attr]
+                return want <= {kv.key.rsplit("/", 1)[-1] for kv in kvs
+                                if kind == "stop_agent" or old_lease is None or kv.lease != old_lease}
+
             with contextlib.suppress(TimeoutError):
-                self._wait(lambda: want <= {kv.key.rsplit("/", 1)[-1]
-                                            for kv in self.store.get_prefix(self.keys.gpus_prefix(node))[0]},  # type: ignore[union-attr]
-                           90, f"node {node}'s GPUs to be published again")
+                self._wait(republished, 90, f"node {node}'s GPUs to be published again")
             return True
         if kind in ("kill_client", "kill_client_with_helper"):
             p = self._client()
@@ -487,6 +500,8 @@ class FaultRun:
                 time.sleep(1.0)  # let the orphaned helper notice and revoke before the next incarnation
             self._restart(p)
             return True
+        if kind == "revoke_client":
+            return self._revoke_client()
         if kind == "stop_client":
             p = self._client()
             self._signal(p, signal.SIGSTOP, group=False)  # the trainer freezes, its helper keeps the lease
@@ -521,6 +536,47 @@ class FaultRun:
             self._garbage()
             return True
         raise ValueError(f"unknown fault kind {kind!r}")
+
+    def _granted_clients(self) -> list[tuple[str, int]]:
+        """(client name, etcd lease) of every client whose job is GRANTED now."""
+        assert self.store is not None
+        out = []
+        for i in range(self.cfg.clients):
+            name = f"fc{i}"
+            kv = self.store.get(self.keys.job_spec(name))
+            try:
+                got = self.store.get_record(self.keys.job_status(name), JobStatus)
+            except SchemaError:
+                continue
+            if kv is not None and kv.lease and got is not None and got[0].state is JobState.GRANTED:
+                out.append((name, kv.lease))
+        return out
+
+    def _revoke_client(self) -> bool:
+        """Revoke a granted client's etcd lease through the etcd API, as a forced preemption does
+        (or as etcd expires the lease of a helper starved past its TTL): the client must notice,
+        stop, and be granted again under its name on a new lease by itself."""
+        assert self.store is not None
+        try:
+            held = self._granted_clients()
+        except GpupoolError:
+            return False
+        if not held:
+            return False
+        name, lease = held[self.rng.randrange(len(held))]
+        t0 = time.time()
+        with self._lock:
+            self._revokes.append((t0, name))
+        try:
+            self.store.revoke_lease(lease)
+        except GpupoolError:
+            return False
+        # One fault at a time: wait until that client is granted again (the end-of-run liveness
+        # check reports it if it never is).
+        with contextlib.suppress(TimeoutError):
+            self._wait(lambda: any(e["ev"] == "granted" and e["t"] > t0 for e in self.client_events()[name]),
+                       60, f"{name} to be granted again after its lease was revoked")
+        return True
 
     def _garbage(self) -> None:
         """Garbage under every key kind, and hostile records that parse (failures 1-3 of issue 12)."""
@@ -636,10 +692,16 @@ class FaultRun:
         kills: dict[str, list[float]] = {}
         for t, name in self._kills:
             kills.setdefault(name, []).append(t)
+        # A revoked lease is the pool taking the slices back (forced preemption): the holder's
+        # claim ends there, even though it learns of it a watch event later.
+        revokes: dict[str, list[float]] = {}
+        for t, name in self._revokes:
+            revokes.setdefault(name, []).append(t)
         spans: list[tuple[float, float, str, str, str]] = []  # start, end, client, gpu, qos
         for name, evs in self.client_events().items():
             open_: dict[str, Any] | None = None
             end_marks = sorted(kills.get(name, []))
+            revoke_marks = sorted(revokes.get(name, []))
             for e in evs:
                 if e["ev"] == "granted":
                     if open_ is not None:  # restarted after a kill: the old belief ended at the kill
@@ -651,6 +713,8 @@ class FaultRun:
                     end = e["t"]
                     if e["ev"] == "start":  # a new process: the old one was killed
                         end = next((k for k in end_marks if k >= open_["t"]), e["t"])
+                    elif e["ev"] == "lost":
+                        end = min(end, next((k for k in revoke_marks if k >= open_["t"]), end))
                     spans.extend((open_["t"], end, name, g, open_["qos"]) for g in open_["gpus"])
                     open_ = None
                 elif e["ev"] == "error":
@@ -754,10 +818,16 @@ class FaultRun:
                 time.sleep(self.cfg.gap_s)
             # Liveness: every client served again once the faults stopped (after the orphan grace too).
             t_stop = time.time()
+
+            def served_again() -> bool:
+                # Still supervised, as systemd or Kubernetes would: a process that exited during
+                # the last fault is restarted now too.
+                self._supervise()
+                return all(any(e["ev"] == "granted" and e["t"] > t_stop for e in evs)
+                           for evs in self.client_events().values())
+
             try:
-                self._wait(lambda: all(any(e["ev"] == "granted" and e["t"] > t_stop for e in evs)
-                                       for evs in self.client_events().values()),
-                           self.cfg.settle_s, "every client to be granted again after the faults")
+                self._wait(served_again, self.cfg.settle_s, "every client to be granted again after the faults")
             except TimeoutError:
                 starved = [n for n, evs in self.client_events().items()
                            if not any(e["ev"] == "granted" and e["t"] > t_stop for e in evs)]

@@ -28,8 +28,8 @@ def _run(cfg: FaultConfig, tmp_path: Path) -> None:
 
 
 def test_faults_single_etcd(tmp_path: Path) -> None:
-    """Leader, agents and clients killed and paused; etcd killed and restarted on its data dir
-    (once past the clients' TTL); garbage under every key kind."""
+    """Leader, agents and clients killed and paused; a granted client's lease revoked through etcd;
+    etcd killed and restarted on its data dir (once past the clients' TTL); garbage under every key kind."""
     _run(FaultConfig(duration_s=10, etcd_members=1, coordinators=2, nodes=("node-a:2xH100-80GB:nvlink",
                      "node-b:2xH100-80GB:nvlink"), clients=4, gap_s=0.5, seed=12, kinds=SINGLE_KINDS), tmp_path)
 
