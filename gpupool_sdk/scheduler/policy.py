@@ -362,13 +362,18 @@ class Scheduler:
 
         # Pending jobs: the spec's PENDING jobs plus resized jobs re-placed at their target count.
         pending: list[tuple[JobView, int | None]] = []
-        for name in sorted(snapshot.jobs):
-            view = snapshot.jobs[name]
-            if name in proto.requeued:
-                target = proto.requeued[name]
+        requeued, busy, jobs = proto.requeued, cyc.busy, snapshot.jobs
+        waiting = JobState.PENDING
+        # Only the pending names are sorted (not every job's).
+        for name in sorted(
+            n for n, v in jobs.items() if n in requeued or (v.state is waiting and not v.allocations and n not in busy)
+        ):
+            view = jobs[name]
+            if name in requeued:
+                target = requeued[name]
                 cap = slice_cap(view.spec, config.etcd_max_txn_ops)
                 pending.append((view, max(view.spec.min_gpus or 1, min(target, cap))))
-            elif view.state is JobState.PENDING and not view.allocations and name not in cyc.busy:
+            else:
                 pending.append((view, None))
 
         # A resize holds the room it grows into, from its directive to its re-placement.
@@ -449,14 +454,25 @@ class Scheduler:
             # Behind the first ``max_considered``: placed where they fit now (backfill: no wait,
             # balloon, shrink, preemption or reservation is planned for them), else queued.
             behind = f"queued: behind the first {limit} in order (max_considered): placed only where it fits now"
-            fail_cache, blocked = cyc.fail_cache, cyc.ledger.blocked_jobs
+            fail_cache, ledger, pinned = cyc.fail_cache, cyc.ledger, cyc.pinned
+            blocked = ledger.blocked_jobs
+            #: shapes that failed here, with ``ledger.frees`` then: the same shape fails again until a free.
+            failed: dict[tuple[object, ...], int] = {}
             unplaced: list[tuple[object, JobView, SliceRequest]] = []
             for i, (okey, view, req) in enumerate(rest):
                 if cyc.actions >= max_decisions:
                     rest = rest[i:]
                     break
-                gpus = self._place(cyc, view, req, None if view.name in blocked else fail_cache.get(req.shape))
+                name = view.spec.name
+                generic = name not in blocked and name not in pinned
+                shape = req.shape
+                if generic and failed.get(shape) == ledger.frees:
+                    unplaced.append((okey, view, req))
+                    continue
+                gpus = self._place(cyc, view, req, fail_cache.get(shape) if generic else None)
                 if gpus is None:
+                    if generic:
+                        failed[shape] = ledger.frees
                     unplaced.append((okey, view, req))
                 else:
                     self._grant(cyc, view, req, gpus)
@@ -859,7 +875,7 @@ class Scheduler:
         cycle while it stays behind."""
         last, now_q, decisions = self._queued_last, self._queued_now, cyc.decisions
         for _key, view, _req in rest:
-            name = view.name
+            name = view.spec.name
             q = last.get(name)
             if q is None or q.reason != reason:
                 q = Queue(name, reason)
