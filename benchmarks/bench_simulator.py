@@ -8,7 +8,9 @@ at times, as in production. CPU time is measured with ``time.process_time`` (one
 A second figure, ``congested``: the cost of a decision under congestion, side by side in one
 process: the first 1,000 Philly-derived jobs of the Sia workloads (``sia_philly_*``) on 48 GPUs
 (6 x 8 V100-32GB; FIFO waits 2.4 days on average), ``gpupool`` with the default policy against
-``tiresias``; goal: ``gpupool`` within 2x of Tiresias' CPU time.
+``tiresias``; goal: ``gpupool`` within 2x of Tiresias' CPU time. ``gpupool_bounds_off`` is the
+default policy with the bounds on a cycle's work off (``max_considered`` 0, ``keep_reservations``
+off), run in the same process.
 
 Usage::
 
@@ -23,9 +25,11 @@ import os
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.sim.runner import run_simulation
 from gpupool_sdk.sim.trace import default_traces_dir, load_trace
 
@@ -67,14 +71,19 @@ def run_congested() -> dict[str, Any]:
     """CPU seconds of ``tiresias`` and ``gpupool`` (default policy) on the congested Philly-derived run."""
     trace = load_trace("pollux_sia_workloads.csv", sources=CONGESTED_SOURCES, max_jobs=CONGESTED_JOBS)
     out: dict[str, Any] = {"jobs": len(trace), "cluster": CONGESTED_CLUSTER, "goal": "gpupool cpu_s <= 2 x tiresias"}
-    for name in ("fifo", "tiresias", "gpupool"):
+    bounds_off = replace(DEFAULT_SCHEDULER, max_considered=0, keep_reservations=False)
+    for label, name, config in (("fifo", "fifo", None), ("tiresias", "tiresias", None), ("gpupool", "gpupool", None),
+                                ("gpupool_bounds_off", "gpupool", bounds_off)):
         t0 = time.process_time()
-        report = run_simulation(trace, CONGESTED_CLUSTER, [name])
+        report = run_simulation(trace, CONGESTED_CLUSTER, [name], pool_config=config)
         cpu = time.process_time() - t0
         m = report.metrics[name]
-        out[name] = {"cpu_s": round(cpu, 2), "cycles": m["cycles"], "avg_jct_s": round(m["avg_jct_s"], 1),
-                     "preemptions": m["preemptions"]}
+        out[label] = {"cpu_s": round(cpu, 2), "cycles": m["cycles"], "avg_jct_s": round(m["avg_jct_s"], 1),
+                      "preemptions": m["preemptions"]}
     out["gpupool_over_tiresias_cpu"] = round(out["gpupool"]["cpu_s"] / max(out["tiresias"]["cpu_s"], 1e-9), 2)
+    out["bounds_off_over_tiresias_cpu"] = round(
+        out["gpupool_bounds_off"]["cpu_s"] / max(out["tiresias"]["cpu_s"], 1e-9), 2
+    )
     out["goal_met"] = out["gpupool_over_tiresias_cpu"] <= 2.0
     return out
 
