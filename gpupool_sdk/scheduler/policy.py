@@ -1078,13 +1078,18 @@ class Scheduler:
 
     def _resize_up(self, cyc: _Cycle) -> None:
         """Resize running elastic jobs up toward ``max_gpus`` into the capacity left (see
-        :meth:`_grow_fresh`); never a job granted at this instant."""
+        :meth:`_grow_fresh`); never a job granted at this instant.
+
+        Within a priority, the job holding the fewest slices grows first (then FIFO): under any
+        speed-up curve that flattens with more GPUs (data parallelism's), a GPU added to a job on
+        ``k`` GPUs speeds it up by about ``1/k``, so the free GPUs go where they buy the most
+        speed. Only the slice counts are used (what a live pool knows), never a job's true curve."""
         ledger = cyc.ledger
         config = cyc.config
         now = cyc.snapshot.now
         views = sorted(
             (v for v in cyc.snapshot.jobs.values() if v.spec.is_elastic),
-            key=lambda v: (-v.spec.priority, v.order, v.name),
+            key=lambda v: (-v.spec.priority, len(v.allocations), v.order, v.name),
         )
         why = "nothing pending" if cyc.queued == 0 else "no queued job can use the free GPUs"
         for view in views:

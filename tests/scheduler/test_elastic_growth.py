@@ -145,3 +145,24 @@ def test_apply_then_next_cycle_grows_nothing_more() -> None:
     s = apply(snap(POOL, [el]), run(snap(POOL, [el])))
     assert len(s.jobs["el"].allocations) == 4
     assert run(replace(s, now=50.0)) == []
+
+
+# ---------------------------------------------------------------- 4. who grows first
+
+
+@pytest.mark.parametrize(
+    ("name", "big_priority", "expect"),
+    [
+        # big (FIFO first) holds 2 GPUs, small holds 1; one GPU is free: it speeds small up by
+        # about 1/1, big by about 1/2, so small grows (FIFO order would have grown big).
+        ("fewest slices first", 0, {"small": 2}),
+        # Priority still comes first: a higher-priority big grows whatever it holds.
+        ("priority before slice count", 1, {"big": 3}),
+    ],
+)
+def test_the_job_holding_fewest_slices_grows_first(name: str, big_priority: int, expect: dict[str, int]) -> None:
+    big = running(elastic("big", gpus=2, lo=2, hi=4, order=0, priority=big_priority), [G[0], G[1]])
+    small = running(elastic("small", gpus=1, lo=1, hi=2, order=1), [G[2]])
+    ds = run(snap(POOL, [big, small], now=100.0))
+    got = {d.job: d.gpus for d in ds if isinstance(d, Resize)}
+    assert got == expect
