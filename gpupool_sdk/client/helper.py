@@ -314,7 +314,11 @@ class Helper:
                 if not (keeper.lost or session.ended):
                     session.starting = False
                     return session
-            # Lost while setting up (an outage past the TTL): go again with a new lease.
+            # Lost while setting up (an outage past the TTL): go again with a new lease. Watches
+            # started after lost() ended the session would outlive it: cancel them too.
+            for w in session.watchers:
+                w.cancel()
+            session.watchers.clear()
             raise StoreUnavailableError(f"the lease of {job!r} was lost while its acquire was starting")
 
         def give_up(state: Any) -> bool:
