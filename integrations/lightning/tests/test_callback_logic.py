@@ -100,6 +100,17 @@ class _Deliver(pl.Callback):
             self.lease.directive_at_step = None
 
 
+class WithValidation(TinyRegressor):
+    """The demo model with a validation loop (its training data) that logs ``val_loss``."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def val_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("GPUPOOL_RUN_SOCKET", "GPUPOOL_LEASED", "GPUPOOL_DEVICES", "GPUPOOL_RESUME_FROM", "GPUPOOL_JOB",
@@ -390,14 +401,6 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_75(tmp_path: Path) -> No
 def test_a_directive_during_validation_is_honoured_within_one_batch_of_it(tmp_path: Path) -> None:
     """Issue 11, finding 7: a preempt that arrives in a long validation loop checkpoints there (exit 75)."""
 
-    class WithValidation(TinyRegressor):
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            x, y = batch
-            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
-
-        def val_dataloader(self) -> Any:
-            return self.train_dataloader()
-
     lease = FakeLease("val")
     pool = GpuPoolCallback(memory="1GiB", name="val", client=FakeClient(lease), checkpoint_dir=tmp_path)
     seen: list[int] = []
@@ -469,14 +472,6 @@ def test_a_preempt_at_an_epochs_last_batch_resumes_with_early_stopping_strict(tm
     the checkpoint is taken at the next training step, and the resumed run finishes with the same weights."""
     from pytorch_lightning.callbacks import EarlyStopping
 
-    class WithValidation(TinyRegressor):
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            x, y = batch
-            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
-
-        def val_dataloader(self) -> Any:
-            return self.train_dataloader()
-
     def run(pool: GpuPoolCallback, ckpt: str | None = None) -> tuple[Any, Any]:
         torch.manual_seed(7)
         model = WithValidation(seed=7, samples=64, batch_size=8, num_workers=0, step_sleep=0.0)
@@ -507,14 +502,6 @@ def test_sigterm_where_lightning_would_stop_still_checkpoints_and_exits_75(when:
     run` then called the job finished. The callback takes SIGTERM back: checkpoint, exit 75."""
     import os
     import signal
-
-    class WithValidation(TinyRegressor):
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            x, y = batch
-            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
-
-        def val_dataloader(self) -> Any:
-            return self.train_dataloader()
 
     class Term(pl.Callback):  # after the pool's callback in the list: its hooks run after the pool's
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
