@@ -21,7 +21,8 @@ capacity ledger with reserve / un-reserve):
    ``max_considered`` or ``max_preemption_attempts``): grow elastic jobs toward ``max_gpus`` into the capacity left,
    which no queued job can be placed on and which is held for nobody else: first the grants of
    this cycle (their Grant is enlarged: a job is never resized in the cycle it is granted), then
-   running jobs with Resize. A resize that grows holds the GPUs it grows into until its ack.
+   running jobs with Resize, the one holding the fewest slices first within a priority. A resize
+   that grows holds the GPUs it grows into until its ack.
 
 Every pending job gets exactly one Grant, Queue or Reject per cycle.
 """
