@@ -5,8 +5,9 @@ training, when the signal or the directive lands. ``--pause-at STEP`` (repeatabl
 inside that optimizer step, after the callback's handlers are in place, until the callback
 recorded a signal, a directive or a lease loss (its attention flag); the file
 ``{--pause-dir}/paused-at-STEP`` says that it is held. The step then ends and the callback acts at
-that boundary: a signal checkpoints at STEP + 1. The pause changes no computation (the weights
-equal an unpaused run's); ``--pause-limit`` bounds it so that a broken test cannot hang the job.
+that boundary: a signal checkpoints at STEP + 1. With several ranks, global rank 0 is held (the
+others wait for it in the step's all-reduce). The pause changes no computation (the weights equal
+an unpaused run's); ``--pause-limit`` bounds it so that a broken test cannot hang the job.
 
 Usage (the test harness's, not a user's)::
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def training_step(self: Any, batch: Any, batch_idx: int) -> Any:
         step = int(self.global_step)
-        if step in pending:
+        if step in pending and self.trainer.is_global_zero:  # other ranks wait in the step's all-reduce
             pending.discard(step)
             pool = next(cb for cb in self.trainer.callbacks if isinstance(cb, readme.GpuPoolCallback))
             Path(ours.pause_dir, f"paused-at-{step}").write_text(f"{step}\n")

@@ -15,12 +15,13 @@ import torch
 
 from gpupool_sdk.client import PoolClient
 from gpupool_sdk.resources import JobSpec
-from gpupool_sdk.store.records import TelemetryRecord
 from integrations.lightning.tests.conftest import ROOT, LivePool, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCRIPT = str(ROOT / "examples" / "readme_train.py")
+#: readme_train.py held at a step until the callback has the directive (paused_train.py).
+PAUSED = str(Path(__file__).with_name("paused_train.py"))
 LONG = 900.0
 
 
@@ -30,7 +31,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def gang(pool: LivePool, name: str, out: Path, sleep: str) -> list[Any]:
+def gang(pool: LivePool, name: str, out: Path, pause_at: int | None = None) -> list[Any]:
+    """``gpupool run --nodes 2`` on each node, running torchrun with readme_train.py (held at ``pause_at``)."""
+    script = [PAUSED, "--pause-dir", str(pool.tmp), f"--pause-at={pause_at}"] if pause_at is not None else [SCRIPT]
     port = free_port()
     procs = []
     for rank, node in enumerate(("node-a", "node-b")):
@@ -38,7 +41,7 @@ def gang(pool: LivePool, name: str, out: Path, sleep: str) -> list[Any]:
                     "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                     "--rdzv-id", f"{name}-{port}", "--max-restarts", "0"]
         run = ["run", "--name", name, "--gpus", "2", "--nodes", "2", "--node-rank", str(rank), "--memory", "30GiB",
-               "--", *torchrun, SCRIPT, "--epochs", "3", "--num-nodes", "2", "--step-sleep", sleep, "--out", str(out)]
+               "--", *torchrun, *script, "--epochs", "3", "--num-nodes", "2", "--out", str(out)]
         procs.append(pool.spawn(f"{name}-{node}", [sys.executable, "-m", "gpupool_sdk.cli.main", *run],
                                 env={"GPUPOOL_NODE": node}))
     return procs
@@ -48,16 +51,13 @@ def test_two_node_gang_is_preempted_together_requeued_and_matches_an_uninterrupt
     live_pool: LivePool, tmp_path: Path
 ) -> None:
     live_pool.start("node-a:1xA100-40GB,node-b:1xA100-40GB")
-    base = gang(live_pool, "base", tmp_path / "base.pt", "0.0")
+    base = gang(live_pool, "base", tmp_path / "base.pt")
     for p, node in zip(base, ("node-a", "node-b"), strict=True):
         assert live_pool.wait_exit(p, f"base-{node}", LONG) == 0, live_pool.log(f"base-{node}")
-    procs = gang(live_pool, "ddp", tmp_path / "ddp.pt", "0.3")
-
-    def step() -> int:
-        got = live_pool.store.get_record(live_pool.keys.telemetry("ddp"), TelemetryRecord)
-        return int(got[0].summary.get("step", 0)) if got else 0
-
-    wait_for(lambda: step() >= 3, LONG, what="the gang to train")
+    # Rank 0 is held inside step 10 (of 12 an epoch, 36 in all) until the directive reaches it:
+    # the gang is training, and still training, when the preemption lands.
+    procs = gang(live_pool, "ddp", tmp_path / "ddp.pt", pause_at=10)
+    wait_for(lambda: (live_pool.tmp / "paused-at-10").exists(), LONG, what="the gang to train to step 10")
     client = PoolClient(endpoints=live_pool.endpoint, prefix=live_pool.keys.prefix, node="node-b")
     try:
         lease = client.acquire(JobSpec(name="urgent", memory="30GiB", qos="guaranteed", priority=10, node="node-b"),
@@ -74,5 +74,5 @@ def test_two_node_gang_is_preempted_together_requeued_and_matches_an_uninterrupt
     assert a["global_step"] == b["global_step"]
     for k in a["state_dict"]:
         assert torch.allclose(a["state_dict"][k], b["state_dict"][k], atol=1e-6), k
-    ckpts = sorted((live_pool.tmp / "ckpt").glob("ddp-preempt-step*.ckpt"))
-    assert ckpts, "no preemption checkpoint"
+    # Both nodes stopped at the step after the one the directive reached: one checkpoint, that step.
+    assert [c.name for c in (live_pool.tmp / "ckpt").glob("ddp-preempt-step*.ckpt")] == ["ddp-preempt-step11.ckpt"]
