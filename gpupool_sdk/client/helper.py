@@ -172,6 +172,9 @@ class Helper:
         self._stop = threading.Event()
         #: acquires to submit again: (request id, spec, seconds left or None), see :meth:`lost`.
         self._resubmit: list[tuple[int, JobSpec, float | None]] = []
+        #: leases of the keepers acquires started whose session has not ended (a spec of this
+        #: helper on one of them is in use, never a leftover to take over).
+        self._keeper_leases: set[int] = set()
         #: leases whose revocation could not reach etcd (lease id -> job), retried in the background.
         self.pending_revokes: dict[int, str] = {}
         self._revoker: threading.Thread | None = None
@@ -290,6 +293,8 @@ class Helper:
                 fresh = LeaseKeeper(self.store, self.timing,
                                     on_lost=lambda exc: self.lost(job, exc, lease_id=fresh.lease_id))
                 fresh.start()
+                with self._lock:
+                    self._keeper_leases.add(fresh.lease_id)
                 keeper, created = fresh, False
             if not created:
                 self._create_spec(spec, keeper.lease_id)
@@ -415,12 +420,13 @@ class Helper:
         if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
             return None
         if owner.get("helper_id") == self.helper_id:
-            # This very helper wrote it, and no live session of it holds that lease: a session
-            # that lost its lease (its revocation may still be under way, or the step-down came
-            # before etcd expired it) or a keeper an interrupted acquire left behind.
+            # This very helper wrote it. A leftover when no acquire of it still keeps that lease:
+            # a session that lost its lease (its revocation may still be under way, or the
+            # step-down came before etcd expired it) or a keeper an interrupted acquire stopped.
             with self._lock:
-                live = any(x.lease_id == kv.lease and not x.ended for x in self.sessions.values())
-            return None if live else "this helper's own earlier session of the job has ended"
+                in_use = kv.lease in self._keeper_leases or any(
+                    x.lease_id == kv.lease and not x.ended for x in self.sessions.values())
+            return None if in_use else "this helper's own earlier session of the job has ended"
         if not process_alive(pid, start):
             return f"the I/O helper that held it (pid {pid} on {self.host}) is gone"
         # The helper lives on, but its training process is gone: it is only revoking (or about to).
@@ -432,6 +438,8 @@ class Helper:
 
     def _stop_keeper(self, keeper: LeaseKeeper, job: str) -> None:
         """Stop ``keeper`` and revoke its lease; one etcd could not take is retried in the background."""
+        with self._lock:
+            self._keeper_leases.discard(keeper.lease_id)
         if not keeper.stop(revoke=True):
             with self._lock:
                 self.pending_revokes[keeper.lease_id] = job
@@ -688,8 +696,10 @@ class Helper:
                 return
             self.sessions.pop(job, None)
             # Ended now, not after the revocation below: no state of this session may reach the
-            # job after its "lost", when the job may already be acquiring the name again.
+            # job after its "lost", when the job may already be acquiring the name again (and
+            # its spec, if etcd still keeps it, is a leftover that acquire may take over).
             s.ended = True
+            self._keeper_leases.discard(s.lease_id)
             pending, s.pending_id = s.pending_id, None
             left = None if s.deadline is None else s.deadline - time.monotonic()
             if s.starting:
@@ -721,6 +731,7 @@ class Helper:
     def _end(self, s: _Session, revoke: bool) -> None:
         with self._lock:
             s.ended = True
+            self._keeper_leases.discard(s.lease_id)
         for w in s.watchers:
             w.cancel()
         if revoke:
