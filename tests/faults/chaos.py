@@ -518,19 +518,20 @@ class FaultRun:
         if kind in ("kill_member", "kill_raft_leader", "stop_member"):
             assert self.cluster is not None
             if kind == "kill_raft_leader":
-                i = self.cluster.leader_index()
-                if i is None:
+                raft_leader = self.cluster.leader_index()
+                if raft_leader is None:
                     return False
+                m = raft_leader
             else:
-                i = self.rng.randrange(len(self.cluster.members))
+                m = self.rng.randrange(len(self.cluster.members))
             if kind == "stop_member":
-                self.cluster.signal(i, signal.SIGSTOP)
+                self.cluster.signal(m, signal.SIGSTOP)
                 time.sleep(3.0)
-                self.cluster.signal(i, signal.SIGCONT)
+                self.cluster.signal(m, signal.SIGCONT)
             else:
-                self.cluster.kill(i)
+                self.cluster.kill(m)
                 time.sleep(3.0)
-                self.cluster.start_member(i, timeout=90)
+                self.cluster.start_member(m, timeout=90)
             return True
         if kind == "garbage":
             self._garbage()
