@@ -317,7 +317,7 @@ def run(sizes: tuple[int, ...] = (256, 1024, 4096), pending: int = 1000, las: tu
         "goal": ">1000 decisions/s at 4096 GPUs, 1000 pending",
         "goal_met": bool(at_4096 and at_4096 > 1000),
         **results,
-        "coordinator": bench_coordinator(),
+        "coordinator": bench_congested(),
     }
 
 
