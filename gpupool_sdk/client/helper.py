@@ -389,6 +389,9 @@ class Helper:
                 return  # our own create, applied by an earlier attempt whose reply was lost
             stale = self._stale_own(job, kv)
             if stale is None:
+                again = self.store.get(spec_key)
+                if again is None or again.lease != kv.lease:
+                    continue  # revoked or replaced while we looked (its owner record with it): try again
                 holder = f"etcd lease {kv.lease:x}" if kv.lease else "no lease"
                 raise JobAlreadyRunningError(
                     f"job {job!r} is already running: {spec_key} is held by {holder}; "
