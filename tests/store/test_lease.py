@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from testkit import wait_for
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import ConfigError, GpupoolError, LeaseLostError, StoreUnavailableError
 from gpupool_sdk.store import EtcdServer, EtcdStore, Keyspace, LeaseKeeper
 
 FAST = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        time.sleep(0.02)
 
 
 class Lost:

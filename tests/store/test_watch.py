@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testkit import wait_for
 
 from gpupool_sdk.store import EtcdServer, EtcdStore, Keyspace, WatchEvent
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        time.sleep(0.02)
 
 
 class Collector:
