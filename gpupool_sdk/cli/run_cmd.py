@@ -26,9 +26,11 @@ Crashes: a script that exits non-zero (or is killed by a signal, as the kernel's
 does) is restarted from its newest checkpoint up to ``--max-restarts`` times with exponential
 backoff (torchrun's flag name). Preemptions (exit 75) do not count against that budget.
 
-Exit codes: the script's own when it finished (0); 75 when it was stopped by a signal and
-checkpointed (run it again to resume); the script's failing code (128+N for a signal N) once
-``--max-restarts`` is spent; 2 for bad flags; 3 when etcd is unreachable.
+Exit codes: the script's own when it finished (0); 75 when it was stopped by a signal (it
+checkpointed, or died of the signal or of the SIGKILL after ``--grace`` before it could: run it
+again to resume from its newest checkpoint); the script's own failing code when it exited non-zero
+while stopping, or once ``--max-restarts`` is spent (128+N for a signal N); 2 for bad flags; 3 when
+etcd is unreachable.
 """
 
 from __future__ import annotations
@@ -363,6 +365,13 @@ def run_job(
                 if rc == 0:
                     say(f"the script finished (exit code 0) as {signal.Signals(stop_signal[0]).name} arrived")
                     return 0
+                if rc < 0:
+                    # Killed before it could checkpoint: by the forwarded signal itself (no handler
+                    # yet: still starting, or a script without the SDK) or by SIGKILL after --grace.
+                    # Stopped from outside all the same: its newest checkpoint stands, run it again.
+                    say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script was {describe_exit(rc)} "
+                        f"before it checkpointed; exit {EX_TEMPFAIL} (run again to resume from its newest checkpoint)")
+                    return EX_TEMPFAIL
                 say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script ended with {describe_exit(rc)} "
                     "without a checkpoint")
                 return shell_code(rc) or 1

@@ -184,3 +184,24 @@ def test_a_script_preempted_past_max_preemptions_gives_up(live_pool: LivePool) -
     assert log.count("running:") == 2 and "preempted; queueing again (preemption 1)" in log, log
     assert "preempted; giving up after 1 preemptions" in log and "queueing again (preemption 2)" not in log, log
     wait_for(lambda: live_pool.status("again") is None, what="the job's keys to go")
+
+
+@pytest.mark.parametrize("case", ["before_its_handler", "past_the_grace"])
+def test_sigterm_to_gpupool_run_that_kills_the_script_before_a_checkpoint_exits_75(
+    case: str, live_pool: LivePool, tmp_path: Path
+) -> None:
+    """A SIGTERM to the launcher exits 75 ("run again") also when the script dies of it before it could
+    checkpoint: killed by the forwarded signal (still starting, no handler yet) or by SIGKILL after
+    ``--grace`` (a script that ignores it). Its newest checkpoint stands; the outer system requeues."""
+    live_pool.start("node-a:1xA100-40GB")
+    marker = tmp_path / "started"
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if case == "past_the_grace" else ""
+    code = f"import pathlib, signal, time; {ignore}pathlib.Path({str(marker)!r}).write_text('x'); time.sleep(600)"
+    run = live_pool.gpupool("early", "run", "--name", "early", "--memory", "1GiB", "--grace", "1", "--",
+                            sys.executable, "-c", code)
+    wait_for(marker.exists, LONG, what="the script to start")
+    run.send_signal(signal.SIGTERM)
+    assert live_pool.wait_exit(run, "early", LONG) == 75, live_pool.log("early")
+    killed = "SIGTERM" if case == "before_its_handler" else "SIGKILL"
+    assert f"the script was killed by {killed} before it checkpointed" in live_pool.log("early"), live_pool.log("early")
+    wait_for(lambda: live_pool.status("early") is None and not live_pool.allocations("early"), what="the job's keys to go")
