@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from typing import Any
 
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
@@ -27,7 +26,7 @@ from gpupool_sdk.scheduler.autoscale import AutoscaleSettings
 from gpupool_sdk.sim.autoscale_pool import AutoscaledPolicy
 from gpupool_sdk.sim.engine import SimConfig, Simulator
 from gpupool_sdk.sim.metrics import compute_metrics
-from gpupool_sdk.sim.runner import DEFAULT_POOL_CONFIG, make_policy
+from gpupool_sdk.sim.runner import make_policy
 from gpupool_sdk.sim.trace import load_trace
 from gpupool_sdk.sim.workload import WorkloadModel
 
@@ -35,8 +34,9 @@ MODEL = "V100-32GB"
 
 
 def _policy(name: str, max_pending: int | None) -> Any:
-    cfg = replace(DEFAULT_POOL_CONFIG, las_threshold_gpu_s=(3600.0, 36000.0)) if name == "gpupool" else None
-    return make_policy(name, cfg, max_pending_in_snapshot=max_pending if name == "gpupool" else None)
+    """``name`` with its defaults (for ``gpupool``: the coordinator's, the whole queue in every snapshot
+    unless ``max_pending``)."""
+    return make_policy(name, None, max_pending_in_snapshot=max_pending if name == "gpupool" else None)
 
 
 def _row(m: dict[str, Any], gpu_hours: float, nodes: float, cpu_s: float) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def run(
     policy: str = "gpupool",
     max_nodes: int = 32,
     max_jobs: int | None = None,
-    max_pending: int | None = 32,
+    max_pending: int | None = None,
     boot_s: float = 300.0,
     settings: AutoscaleSettings | None = None,
 ) -> dict[str, Any]:
@@ -87,6 +87,7 @@ if __name__ == "__main__":
     ap.add_argument("--policy", default="gpupool")
     ap.add_argument("--max-nodes", type=int, default=32)
     ap.add_argument("--max-jobs", type=int, default=None)
-    ap.add_argument("--max-pending", type=int, default=32)
+    ap.add_argument("--max-pending", type=int, default=None,
+                    help="gpupool only: the head of the queue in each snapshot (default: the whole queue, as the coordinator)")
     args = ap.parse_args()
     print(json.dumps(run(args.policy, args.max_nodes, args.max_jobs, args.max_pending), indent=2))
