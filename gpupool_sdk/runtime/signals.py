@@ -4,6 +4,8 @@ The handler only records the signal (async-signal-safe: two attribute stores); t
 at the next step boundary. Handlers installed before (the user's, a framework's) are chained:
 they run after ours. Python's default SIGINT handler (which raises ``KeyboardInterrupt`` in the
 middle of a step) is not chained: a first Ctrl-C checkpoints; a second one interrupts at once.
+Once uninstalled, a handler of ours that a framework put back records nothing and hands the
+signal to the handler found before ours (see :class:`SignalWatch`).
 """
 
 from __future__ import annotations
@@ -20,27 +22,58 @@ _Handler = Callable[[int, FrameType | None], Any]
 class SignalWatch:
     """Records preemption signals for a runtime.
 
+    The handlers found at :meth:`install` are kept after :meth:`uninstall`: a framework that saved
+    this watch's handler while it was installed may put it back later (Lightning restores, at the
+    end of ``fit``, the handlers it found at its start). Such a stale handler records nothing: it
+    puts the handler found at :meth:`install` back and hands it the signal (the default action
+    included: a stale SIGTERM handler over ``SIG_DFL`` terminates the process), so the signal is
+    never swallowed.
+
     Args:
         on_signal: called from the handler with the signal number (must only set flags).
     """
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self._on_signal = on_signal
+        #: The handler found at install, per signal; kept after uninstall (see the class docstring).
         self._previous: dict[int, Any] = {}
+        #: The signals this watch handles now (installed and not uninstalled).
+        self._active: set[int] = set()
         self.received: int | None = None
 
+    @property
+    def active(self) -> bool:
+        """True while the watch handles at least one signal (between install and uninstall)."""
+        return bool(self._active)
+
+    def previous(self, signum: int) -> Any:
+        """The handler found for ``signum`` at :meth:`install` (``SIG_DFL`` if none was recorded)."""
+        prev = self._previous.get(signum)
+        return prev if prev is not None else signal.SIG_DFL
+
     def install(self, signums: tuple[int, ...]) -> bool:
-        """Install the handlers (main thread only); returns False elsewhere (nothing installed)."""
+        """Install the handlers (main thread only); returns False elsewhere (nothing installed).
+
+        Also after :meth:`uninstall` (the watch handles the signals again). Where the handler in
+        place is this watch's own (put back by a framework), the one found at the first install
+        stays the one chained.
+        """
         if threading.current_thread() is not threading.main_thread():
             return False
         for signum in signums:
-            if signum in self._previous:
+            if signum in self._active:
                 continue
-            self._previous[signum] = signal.getsignal(signum)
+            current = signal.getsignal(signum)
+            if not self.owns(current):
+                self._previous[signum] = current
             signal.signal(signum, self._handle)
+            self._active.add(signum)
         return True
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum not in self._active:
+            self._forward_stale(signum, frame)
+            return
         first = self.received is None
         self.received = signum
         self._on_signal(signum)
@@ -48,6 +81,22 @@ class SignalWatch:
         if signum == signal.SIGINT and not first:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         if callable(prev) and prev is not signal.default_int_handler:
+            prev(signum, frame)
+
+    def _forward_stale(self, signum: int, frame: FrameType | None) -> None:
+        """This watch is uninstalled but its handler was called: act as the handler found at install.
+
+        Where ours is the handler in place, the previous one is put back and gets the signal
+        (``SIG_DFL``: the signal is raised again, so its default action happens; ``SIG_IGN``:
+        nothing). Where another handler chained ours, only a callable previous handler is called.
+        """
+        prev = self.previous(signum)
+        if self.owns(signal.getsignal(signum)):
+            signal.signal(signum, prev)  # handlers run in the main thread
+            if prev == signal.SIG_DFL:
+                signal.raise_signal(signum)
+                return
+        if callable(prev):
             prev(signum, frame)
 
     def owns(self, handler: Any) -> bool:
@@ -60,21 +109,25 @@ class SignalWatch:
         For a framework whose own handler calls ours but also acts on the signal in a way that
         defeats the checkpoint (Lightning's SIGTERM stop). The handler found at :meth:`install`
         stays chained. Main thread only; returns False (nothing done) elsewhere or for a signal
-        this watch does not handle.
+        this watch does not handle now.
         """
-        if threading.current_thread() is not threading.main_thread() or signum not in self._previous:
+        if threading.current_thread() is not threading.main_thread() or signum not in self._active:
             return False
         signal.signal(signum, self._handle)
         return True
 
     def uninstall(self) -> None:
-        """Put back the handlers found at :meth:`install` (where ours is still the one installed)."""
+        """Put back the handlers found at :meth:`install` wherever ours is the one installed.
+
+        Idempotent, and also after the watch was uninstalled: a call puts the previous handlers
+        back over this watch's handler where a framework restored it since.
+        """
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum, prev in self._previous.items():
-            if signal.getsignal(signum) == self._handle:
-                signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
-        self._previous.clear()
+        self._active.clear()
+        for signum in self._previous:
+            if self.owns(signal.getsignal(signum)):
+                signal.signal(signum, self.previous(signum))
 
     @staticmethod
     def name(signum: int) -> str:

@@ -114,6 +114,9 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
         #: A directive seen at an epoch's last batch waits for the next training step.
         self._at_epoch_end = False
         self._trainer: Any = None
+        #: The watch was uninstalled by this callback at the end of a run (not by the runtime):
+        #: the next stage's ``setup`` installs it again.
+        self._rearm_signals = False
 
     # -- what the Trainer needs ------------------------------------------------------------
     @property
@@ -168,6 +171,33 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
         connector = getattr(trainer, "_signal_connector", None)
         if connector is not None and getattr(connector, "received_sigterm", False):
             connector.received_sigterm = False  # ours recorded it too: it is acted on at the next boundary
+
+    def _hand_back_signals(self, trainer: Any) -> None:
+        """The Trainer's run ends: the process's own signal handlers go back in place.
+
+        Lightning's signal connector restores, at the end of every ``fit`` (``validate``...), the
+        handlers it found at its start, this callback's among them; in a process that lives on
+        after ``fit`` (``exit_on_preempt=False``, a notebook, a sweep of fits) that handler then
+        recorded a later SIGTERM and swallowed it. Here the watch is uninstalled (the handlers
+        found before it go back where its own is in place) and Lightning's saved copies of its
+        handler are replaced by those handlers: whichever runs last, the process's own handler is
+        the one in place. Called from ``on_exception`` (before Lightning's restore) and from
+        ``teardown`` (after it). A later stage of a Trainer with this callback (``trainer.test``)
+        installs the watch again at ``setup`` while the runtime holds its lease.
+        """
+        watch = self.runtime.signals
+        self._rearm_signals = self._rearm_signals or watch.active  # the runtime has not closed it
+        saved = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+        if isinstance(saved, dict):
+            for signum, handler in list(saved.items()):
+                if watch.owns(handler):
+                    saved[signum] = watch.previous(signum)
+        watch.uninstall()
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._rearm_signals:
+            self._rearm_signals = False
+            self.runtime.signals.install(self.options.signal_numbers)
 
     def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
         self._take_sigterm_from_lightning(trainer)
@@ -333,7 +363,9 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self.runtime.stop_training()
+        self._hand_back_signals(trainer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._hand_back_signals(trainer)
         if isinstance(exception, PoolLeaseLostError):
             log.error("gpupool: %s", exception)
