@@ -49,7 +49,12 @@ SCRIPT = textwrap.dedent('''
     pool = GpuPoolCallback(memory="1GiB", name="host", client=FakeClient(lease), checkpoint_dir=tmp,
                            exit_on_preempt=False)
 
+    armed = []  # per fit: the watch handles SIGTERM when training starts
+
     class Act(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            armed.append(pool.runtime.signals.owns(signal.getsignal(signal.SIGTERM)))
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step != 3:
                 return
@@ -79,7 +84,7 @@ SCRIPT = textwrap.dedent('''
     if scenario == "twice":  # a second run of a Trainer with the same callback (lease kept)
         outcome, trainer = fit()
     after = {s: signal.getsignal(s) for s in SIGNALS}
-    print(json.dumps({"outcome": outcome, "step": trainer.global_step,
+    print(json.dumps({"outcome": outcome, "step": trainer.global_step, "armed": armed,
                       "restored": [signal.Signals(s).name for s in SIGNALS if after[s] == before[s]],
                       "in_place": {signal.Signals(s).name: repr(after[s]) for s in SIGNALS}}), flush=True)
     print("READY", flush=True)
@@ -128,6 +133,8 @@ def test_after_fit_a_sigterm_reaches_the_processs_own_handler(scenario: str, tmp
     handler, outcome = CASES[scenario]
     report, rc, text = run_host(scenario, handler, tmp_path)
     assert report["outcome"] == outcome, text
+    # During each fit the callback's handler was the one in place (again at the second fit).
+    assert report["armed"] == [True] * (2 if scenario == "twice" else 1), text
     # Every signal the callback handled has the process's own handler back, none the callback's.
     assert report["restored"] == ["SIGTERM", "SIGINT", "SIGUSR1"], text
     if handler == "default":
