@@ -40,8 +40,13 @@ SCRIPT = textwrap.dedent('''
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
     before = {s: signal.getsignal(s) for s in SIGNALS}
 
-    import pytorch_lightning as pl
-    from pytorch_lightning.demos.boring_classes import BoringModel
+    if scenario.endswith("_lightning"):  # the `lightning` distribution's Trainer
+        scenario = scenario.removesuffix("_lightning")
+        import lightning.pytorch as pl
+        from lightning.pytorch.demos.boring_classes import BoringModel
+    else:
+        import pytorch_lightning as pl
+        from pytorch_lightning.demos.boring_classes import BoringModel
     from gpupool_lightning import GpuPoolCallback, PoolLeaseLostError
     from integrations.lightning.tests.test_callback_logic import FakeClient, FakeLease
 
@@ -99,6 +104,7 @@ CASES = {
     "finished": ("default", "finished"),
     "twice": ("own", "finished"),
     "raised": ("own", "raised"),
+    "raised_lightning": ("own", "raised"),
     "lost": ("default", "lost"),
 }
 
