@@ -24,7 +24,7 @@ from gpupool_sdk.resources import JobSpec
 from scenarios.harness import ROOT, Pool, wait_for
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900), pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.skipif(
     not all(shutil.which(p) for p in PROGRAMS) or os.geteuid() != 0,
     reason="needs Debian's slurm-wlm and munge (apt-get install slurmctld slurmd slurm-client munge) and root",
 )]
