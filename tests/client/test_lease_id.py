@@ -11,13 +11,12 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from gpupool_sdk.client import Lease, PoolClient
-from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.store import EtcdStore
 
@@ -25,17 +24,7 @@ from .leader_stub import LeaderStub
 from .test_pool_client import acquire_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMING = LeaseTiming(ttl_s=5, keepalive_interval_s=1.0, retry_timeout_s=1.5)
 Run = Callable[..., subprocess.CompletedProcess[str]]
-
-
-@pytest.fixture
-def pool(etcd_endpoint: str, store: EtcdStore) -> Iterator[PoolClient]:
-    client = PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=TIMING, node="node-a")
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def _granted(pool: PoolClient, store: EtcdStore) -> Lease:

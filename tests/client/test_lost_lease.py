@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 from testkit import wait_for
@@ -24,20 +23,6 @@ from gpupool_sdk.store.codec import decode_dict, encode
 
 from .leader_stub import LeaderStub
 from .test_pool_client import TIMING, acquire_in_thread, spec
-
-
-@pytest.fixture
-def pool(etcd_endpoint: str, store: EtcdStore) -> Iterator[PoolClient]:
-    client = PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=TIMING, node="node-a")
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-@pytest.fixture
-def leader(store: EtcdStore) -> LeaderStub:
-    return LeaderStub(store)
 
 
 def _granted(pool: PoolClient, leader: LeaderStub, store: EtcdStore, not_on: int = 0) -> Lease:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -31,20 +31,6 @@ def wait_for(cond: Callable[[], object], timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached before the deadline")
         time.sleep(0.02)
-
-
-@pytest.fixture
-def pool(etcd_endpoint: str, store: EtcdStore) -> Iterator[PoolClient]:
-    client = PoolClient(endpoints=etcd_endpoint, prefix=store.keys.prefix, timing=TIMING, node="node-a")
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-@pytest.fixture
-def leader(store: EtcdStore) -> LeaderStub:
-    return LeaderStub(store)
 
 
 def spec(name: str = "job-a", gpus: int = 1) -> JobSpec:
