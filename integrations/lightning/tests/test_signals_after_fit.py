@@ -124,7 +124,10 @@ def run_host(scenario: str, handler: str, tmp_path: Path) -> tuple[dict[str, Any
                      what=f"the {scenario} fit to return")
             assert p.poll() is None, out_path.read_text()
             os.kill(p.pid, signal.SIGTERM)
-            rc = p.wait(timeout=120)
+            try:
+                rc = p.wait(timeout=120)  # a bound: the default action or os._exit is immediate
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the SIGTERM after fit was swallowed: the process still runs\n{out_path.read_text()}")
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
