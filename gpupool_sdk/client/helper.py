@@ -148,6 +148,12 @@ class _Session:
     def job(self) -> str:
         return self.spec.name
 
+    def cancel_watches(self) -> None:
+        """Stop every watch this session started."""
+        for w in self.watchers:
+            w.cancel()
+        self.watchers.clear()
+
     def granted(self) -> bool:
         st = self.status
         if st is None or st.state is not JobState.GRANTED:
@@ -308,9 +314,7 @@ class Helper:
             try:
                 self._start_watches(session)
             except BaseException:
-                for w in session.watchers:
-                    w.cancel()
-                session.watchers.clear()
+                session.cancel_watches()
                 raise
             with self._lock:
                 # Checked and cleared under the lock lost() reads ``starting`` under: a loss that
@@ -321,9 +325,7 @@ class Helper:
                     return session
             # Lost while setting up (an outage past the TTL): go again with a new lease. Watches
             # started after lost() ended the session would outlive it: cancel them too.
-            for w in session.watchers:
-                w.cancel()
-            session.watchers.clear()
+            session.cancel_watches()
             raise StoreUnavailableError(f"the lease of {job!r} was lost while its acquire was starting")
 
         def give_up(state: Any) -> bool:
@@ -735,8 +737,7 @@ class Helper:
         with self._lock:
             s.ended = True
             self._keeper_leases.discard(s.lease_id)
-        for w in s.watchers:
-            w.cancel()
+        s.cancel_watches()
         if revoke:
             self._stop_keeper(s.keeper, s.job)
         else:

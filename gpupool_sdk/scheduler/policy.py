@@ -874,14 +874,7 @@ class Scheduler:
         might have used free capacity or made a plan, so nothing grows this cycle (``deferred``).
         One reason for all, so that each job's Queue decision stays the same object from cycle to
         cycle while it stays behind."""
-        last, now_q, decisions = self._queued_last, self._queued_now, cyc.decisions
-        for _key, view, _req in rest:
-            name = view.spec.name
-            q = last.get(name)
-            if q is None or q.reason != reason:
-                q = Queue(name, reason)
-            now_q[name] = q
-            decisions.append(q)
+        cyc.decisions.extend(self._queue_decision(view.spec.name, reason) for _key, view, _req in rest)
         cyc.queued += len(rest)
         cyc.deferred += len(rest)
 

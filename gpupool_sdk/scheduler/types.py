@@ -76,8 +76,9 @@ class SchedulerConfig:
             node); False searches again each cycle.
         max_considered: at most this many pending jobs, the first in queue order, are considered
             per cycle (placed, or a wait, balloon, shrink, preemption or reservation planned for
-            them); the others are queued untouched until they move up, as Slurm's backfill
-            stops at ``bf_max_job_test`` jobs. A bound on a cycle's work with a long queue
+            them); the others are only placed where they fit now (backfill), else queued, and
+            nothing is planned for them until they move up, as Slurm's backfill considers at
+            most ``bf_max_job_test`` jobs. A bound on a cycle's work with a long queue
             (``docs/scheduler.md`` *Performance*); while it cuts, nothing grows elastically (a
             job not looked at might have used the room). 0 = no bound.
         spread_idle_above: a one-slice job goes to an idle GPU rather than a partly used one while
