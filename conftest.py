@@ -131,3 +131,29 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     rep = outcome.get_result()  # type: ignore[attr-defined]
     setattr(item, f"rep_{rep.when}", rep)
+
+
+_CPU_REPORT = os.environ.get("GPUPOOL_TEST_CPU_REPORT")
+
+
+if _CPU_REPORT:
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        """``GPUPOOL_TEST_CPU_REPORT=FILE``: append ``nodeid wall cpu_self cpu_children`` per test.
+
+        For finding where the suite's CPU goes (the test command runs on two cores): children are
+        the processes a test started and waited for (scripts, coordinators, CLIs), with theirs.
+        """
+        import resource
+        import time
+
+        def cpu(who: int) -> float:
+            r = resource.getrusage(who)
+            return r.ru_utime + r.ru_stime
+
+        t0, s0, c0 = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+        yield
+        wall, own, kids = time.monotonic() - t0, cpu(resource.RUSAGE_SELF) - s0, cpu(resource.RUSAGE_CHILDREN) - c0
+        with open(_CPU_REPORT, "a", encoding="utf-8") as f:
+            f.write(f"{item.nodeid}\t{wall:.2f}\t{own:.2f}\t{kids:.2f}\n")
