@@ -36,6 +36,18 @@ What each decision writes (see ``docs/architecture.md``, "The lease protocol"):
 * ``Revoke``: ``checkpoints/{job}`` and ``usage/{job}``, then revoke the job's etcd lease.
 * ``Shrink`` (when the scheduler emits it): rewrite the job's allocations with a new memory size.
 
+**Every write that adds to a GPU is guarded on that GPU** (``Plan.gpu_guards``): a grant (and a
+re-grant) on each GPU it places a slice on, a deflate on each GPU whose allocation grows. The
+transaction also compares that no key under ``allocations/{node}/{gpu}/`` was created or rewritten
+after the revision of the state the decision was made on (:class:`UnchangedSince`, an etcd range
+compare). Only the leader writes allocations, so what breaks it is garbage: an allocation written
+by hand between the snapshot and the grant, which the scheduler did not count. The
+:class:`Applier` raises the revision to its own last write on that GPU in the same batch, so the
+leader's several grants to one GPU in one cycle all commit. A write refused this way is not a
+leadership loss: it is skipped, logged once with the GPU and the key that changed, counted
+(``ApplyReport.gpu_changed``, ``gpupool_scheduler_gpu_changed_total``), and the next cycle
+decides again from a fresh snapshot, which counts the key (an orphan is counted as used).
+
 **etcd's cap on a transaction's size.** etcd refuses a transaction of more than ``--max-txn-ops``
 operations (128 by default). The scheduler rejects jobs that could outgrow it
 (:func:`~gpupool_sdk.scheduler.reject.txn_limit_reason`); the :class:`Applier` counts every plan
@@ -53,7 +65,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpupool_sdk.coordinator.fencing import DeleteOp, FencedWriter, Guard, Op, PutOp, SameIncarnation
+from gpupool_sdk.coordinator.fencing import (
+    DeleteOp,
+    FencedWriter,
+    Guard,
+    Op,
+    PutOp,
+    SameIncarnation,
+    UnchangedSince,
+)
 from gpupool_sdk.coordinator.snapshot import JobMeta, PoolState
 from gpupool_sdk.errors import LeaseLostError, StoreError, TxnTooLargeError
 from gpupool_sdk.resources import Allocation, Checkpoint, Directive, DirectiveKind, JobState, JobStatus
@@ -79,6 +99,8 @@ class Plan:
         ops: writes applied atomically (empty = nothing to do).
         guards: extra compares beyond the fence.
         revoke_lease: an etcd lease to revoke after the writes succeeded (forced preemption).
+        gpu_guards: one per GPU the plan adds to: nothing was written there since the state the
+            plan was made on (the :class:`Applier` raises each revision to its own later writes).
     """
 
     job: str
@@ -86,6 +108,7 @@ class Plan:
     ops: tuple[Op, ...] = ()
     guards: tuple[Guard, ...] = ()
     revoke_lease: int = 0
+    gpu_guards: tuple[UnchangedSince, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -94,7 +117,7 @@ class Plan:
     @property
     def txn_ops(self) -> int:
         """Operations etcd counts against ``--max-txn-ops`` for this plan's fenced transaction."""
-        return txn_ops(len(self.ops), FENCE_COMPARES + len(self.guards))
+        return txn_ops(len(self.ops), FENCE_COMPARES + len(self.guards) + len(self.gpu_guards))
 
 
 @dataclass
@@ -107,6 +130,8 @@ class ApplyReport:
     revoked: int = 0
     granted_jobs: list[str] = field(default_factory=list)
     too_large: int = 0
+    #: plans refused because a GPU they add to changed since the snapshot, by plan kind.
+    gpu_changed: dict[str, int] = field(default_factory=dict)
 
 
 def _status(
@@ -146,6 +171,15 @@ def _put_status(ks: Keyspace, meta: JobMeta, status: JobStatus) -> PutOp:
 
 def _guard(ks: Keyspace, meta: JobMeta) -> tuple[Guard, ...]:
     return (SameIncarnation(ks.job_spec(meta.name), meta.spec_create_revision),)
+
+
+def _gpu_guards(ks: Keyspace, state: PoolState, gpus: Sequence[tuple[str, str]]) -> tuple[UnchangedSince, ...]:
+    """Guards that no allocation on any of ``gpus`` ((node, uuid)) was written after the state's revision.
+
+    A state without a revision (0) guards that the GPU holds no allocation at all: refusing is
+    the safe side.
+    """
+    return tuple(UnchangedSince(ks.allocations_prefix(node, uuid), state.revision) for node, uuid in sorted(set(gpus)))
 
 
 def _next_seq(state: PoolState, job: str) -> int:
@@ -322,7 +356,8 @@ def plan(
         reason = decision.reason or f"granted {len(decision.slices)} slice(s) on {where}"
         status = _status(state, job, JobState.GRANTED, reason, now, granted_at=now, gpus=len(decision.slices))
         ops.append(_put_status(ks, meta, status))
-        return Plan(job, kind, tuple(ops), guards)
+        gpu_guards = _gpu_guards(ks, state, [(s.node, s.gpu_uuid) for s in decision.slices])
+        return Plan(job, kind, tuple(ops), guards, gpu_guards=gpu_guards)
 
     if isinstance(decision, st.Queue):
         if old is not None and old.state is JobState.PENDING and old.reason == decision.reason:
@@ -394,11 +429,13 @@ def plan(
         if dkind is DirectiveKind.DEFLATE:
             # The quota comes back at once, in the same transaction: the allocations are what
             # every later cycle counts, so they must say the full size before the job grows into it.
+            grown = [a for a in view.allocations if a.memory_bytes != target_bytes]
             ops.extend(
                 PutOp(ks.allocation(a.node, a.gpu_uuid, job), encode(replace(a, memory_bytes=target_bytes, term=term)), meta.lease)
-                for a in view.allocations
-                if a.memory_bytes != target_bytes
+                for a in grown
             )
+            # Growing on a GPU: guarded like a grant (nothing added there since the snapshot).
+            return Plan(job, kind, tuple(ops), guards, gpu_guards=_gpu_guards(ks, state, [(a.node, a.gpu_uuid) for a in grown]))
         return Plan(job, kind, tuple(ops), guards)
 
     if isinstance(decision, st.Withdraw):
@@ -506,7 +543,7 @@ def plan_regrant(
     ops = [o for o in granted.ops if not (isinstance(o, PutOp) and o.key == ks.job_status(job))]
     ops.append(PutOp(ks.checkpoint(job), encode(resume_record(state, job, preempted=False, resized=True))))
     limit = config.etcd_max_txn_ops
-    if limit and txn_ops(len(ops) + 2, FENCE_COMPARES + len(granted.guards)) > limit:
+    if limit and txn_ops(len(ops) + 2, FENCE_COMPARES + len(granted.guards) + len(granted.gpu_guards)) > limit:
         # Over etcd's limit with the usage and status puts: written apart (before the usage
         # writer is asked, which charges the job up to now).
         return Plan(job, "Regrant")
@@ -530,7 +567,7 @@ def plan_regrant(
         last_checkpoint=_checkpoint_from_ack(state, job),
     )
     ops.append(_put_status(ks, meta, status))
-    return Plan(job, "Regrant", tuple(ops), granted.guards)
+    return Plan(job, "Regrant", tuple(ops), granted.guards, gpu_guards=granted.gpu_guards)
 
 
 def plan_batch(
@@ -592,6 +629,14 @@ def housekeeping(state: PoolState, keyspace: Keyspace) -> list[Plan]:
     return plans
 
 
+def _after_own_writes(p: Plan, own: Mapping[str, int]) -> Plan:
+    """``p`` with each GPU guard's revision raised to the batch's own last write on that GPU."""
+    if not p.gpu_guards or not own:
+        return p
+    raised = tuple(replace(g, revision=max(g.revision, own.get(g.prefix, 0))) for g in p.gpu_guards)
+    return replace(p, gpu_guards=raised)
+
+
 class Applier:
     """Applies decisions through a :class:`FencedWriter`, one transaction per decision.
 
@@ -624,6 +669,8 @@ class Applier:
         plans = plan_batch(decisions, state, self._ks, self._config, self._usage)
         plans += [(None, p) for p in housekeeping(state, self._ks) if p.job not in busy]
         released: set[str] = set()  # jobs whose Release this batch committed
+        # GPU allocation prefix -> revision of this batch's last write of an allocation there.
+        own: dict[str, int] = {}
         for d, p in plans:
             if p.empty:
                 report.skipped += 1
@@ -631,21 +678,22 @@ class Applier:
             fitted = self._fit(p, d, state, released, report)
             if fitted is None:
                 continue
-            p = fitted
+            p = _after_own_writes(fitted, own)
             try:
-                ok = self._writer.write(p.ops, p.guards) if p.ops else True
+                revision = self._writer.commit(p.ops, p.guards + p.gpu_guards) if p.ops else 0
             except TxnTooLargeError:
                 fitted = self._refused(p, d, state, report)
                 if fitted is None:
                     continue
-                p = fitted
-                ok = self._writer.write(p.ops, p.guards)
-            if not ok:
+                p = _after_own_writes(fitted, own)
+                revision = self._writer.commit(p.ops, p.guards + p.gpu_guards)
+            if revision is None:
                 report.lost += 1
-                if self._writer.check():
-                    log.info("%s for %s skipped: the job changed since the snapshot", p.kind, p.job)
-                    continue
-                break
+                if not self._writer.check():
+                    break  # the leader key is not ours any more: stop (the writer demoted us)
+                self._skipped(p, report)
+                continue
+            self._note_own_writes(p, revision, own)
             report.applied[p.kind] = report.applied.get(p.kind, 0) + 1
             if p.kind == "Grant":
                 report.granted_jobs.append(p.job)
@@ -661,6 +709,32 @@ class Applier:
                     log.warning("could not revoke lease %x of %s: %s (retried next cycle)", p.revoke_lease, p.job, exc)
             log.info("%s %s: %s", p.kind.lower(), p.job, getattr(d, "reason", "") if d is not None else "deflate done")
         return report
+
+    def _note_own_writes(self, p: Plan, revision: int, own: dict[str, int]) -> None:
+        """Remember the revision of ``p``'s allocation puts per GPU: later guards there start after it."""
+        for o in p.ops:
+            if isinstance(o, PutOp):
+                parsed = self._ks.parse(o.key)
+                if parsed is not None and parsed.kind == "allocations":
+                    prefix = self._ks.allocations_prefix(parsed.parts[0], parsed.parts[1])
+                    own[prefix] = max(own.get(prefix, 0), revision)
+
+    def _skipped(self, p: Plan, report: ApplyReport) -> None:
+        """Log a plan refused by a guard while the fence held: a GPU changed, or else the job did."""
+        changed = [(g, kvs) for g in p.gpu_guards if (kvs := self._writer.changed_since(g))]
+        if not changed:
+            # (Or a key written on one of its GPUs meanwhile is already gone again: rare, and harmless.)
+            log.info("%s for %s skipped: the job changed since the snapshot", p.kind, p.job)
+            return
+        report.gpu_changed[p.kind] = report.gpu_changed.get(p.kind, 0) + 1
+        for g, kvs in changed:
+            gpu = g.prefix.rstrip("/").rsplit("/", 1)[-1]
+            keys = ", ".join(f"{kv.key} (rev {kv.mod_revision}, lease {kv.lease:x})" for kv in kvs)
+            log.warning(
+                "%s for %s refused: GPU %s changed after the state it was decided on (rev %d): %s was "
+                "written meanwhile, not by this leader (garbage in etcd?); the next cycle decides again, "
+                "counting it", p.kind, p.job, gpu, g.revision, keys,
+            )
 
     @property
     def max_txn_ops(self) -> int:

@@ -103,6 +103,8 @@ class CycleReport:
         autoscale: the autoscale signal computed after the cycle (None when autoscaling is off).
         skipped: the scheduler was not run: nothing but the clock changed since the last
             scheduled cycle, before its ``valid_until`` (``decisions`` 0, nothing applied).
+        gpu_changed: writes refused because a GPU they add to changed after the snapshot, by
+            plan kind (see :mod:`~gpupool_sdk.coordinator.apply`); the next cycle runs at once.
     """
 
     term: int
@@ -116,6 +118,7 @@ class CycleReport:
     snapshot: st.ClusterSnapshot | None = None
     autoscale: AutoscaleSignal | None = None
     skipped: bool = False
+    gpu_changed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,6 +134,8 @@ class CoordinatorStats:
     too_large: int = 0  # plans over etcd's --max-txn-ops (their grants became rejections)
     terms_won: int = 0
     orphans_deleted: int = 0  # orphaned keys garbage-collected after the grace
+    #: writes refused because a GPU they add to changed since the snapshot (garbage written there)
+    gpu_changed: int = 0
     last_cycle_s: float = 0.0
     last_error: str = ""
 
@@ -437,6 +442,10 @@ class Coordinator:
             self._account(state)
             self._collect_orphans(state)
             self.stats.too_large += report.too_large
+            if report.gpu_changed:
+                self.stats.gpu_changed += sum(report.gpu_changed.values())
+                # Decide again at once from a fresh read (an allocation put wakes no cycle).
+                self._wake.set()
             for kind, n in report.applied.items():
                 self.stats.applied[kind] = self.stats.applied.get(kind, 0) + n
             if any(k in report.applied for k in ("Release", "Regrant", "Revoke")) or time.monotonic() - self._last_flush >= self.usage_flush_s:
@@ -457,6 +466,7 @@ class Coordinator:
                 snapshot=state.snapshot,
                 autoscale=signal,
                 skipped=skip,
+                gpu_changed=dict(report.gpu_changed),
             )
             self.stats.cycles += 1
             self.stats.skipped += skip

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gpupool_sdk.errors import NotLeaderError
 from gpupool_sdk.store import EtcdStore
-from gpupool_sdk.store.types import Compare, Delete, Put
+from gpupool_sdk.store.types import Compare, Delete, KeyValue, Put
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,21 @@ class Unchanged:
     mod_revision: int
 
 
-Guard = SameIncarnation | Absent | Unchanged
+@dataclass(frozen=True)
+class UnchangedSince:
+    """Guard: no key under ``prefix`` was created or rewritten after ``revision`` (deleted ones pass).
+
+    On a GPU's allocations (``Keyspace.allocations_prefix(node, gpu)``): nobody added to the GPU
+    since the state a grant was decided on. Only the leader writes allocations, so this fails only
+    on garbage written into etcd, or on the leader's own earlier write in the same cycle, which
+    the :class:`~gpupool_sdk.coordinator.apply.Applier` accounts for by raising ``revision``.
+    """
+
+    prefix: str
+    revision: int
+
+
+Guard = SameIncarnation | Absent | Unchanged | UnchangedSince
 Op = PutOp | DeleteOp
 
 
@@ -93,6 +107,8 @@ def _guard(g: Guard) -> Compare:
         return Compare(g.key, "create", "==", g.create_revision)
     if isinstance(g, Unchanged):
         return Compare(g.key, "mod", "==", g.mod_revision)
+    if isinstance(g, UnchangedSince):
+        return Compare(g.prefix, "mod", "<", g.revision + 1, prefix=True)
     return Compare(g.key, "create", "==", 0)
 
 
@@ -141,21 +157,40 @@ class FencedWriter:
             NotLeaderError: this replica does not lead (nothing was sent).
             StoreError: etcd could not be reached.
         """
+        return self.commit(ops, guards) is not None
+
+    def commit(self, ops: Sequence[Op], guards: Sequence[Guard] = ()) -> int | None:
+        """:meth:`write`, returning the etcd revision of the writes (0 when ``ops`` is empty), None when not written.
+
+        Raises:
+            NotLeaderError: this replica does not lead (nothing was sent).
+            StoreError: etcd could not be reached.
+        """
         fence = self._fence_source()
         if fence is None:
             raise NotLeaderError("this coordinator does not lead (or cannot confirm it does); write not sent")
         if not ops:
-            return True
+            return 0
         compares = fence_compares(fence) + [_guard(g) for g in guards]
         self.transactions += 1
-        if self._store.txn(compares, [_op(o) for o in ops], []):
-            return True
+        ok, revision = self._store.txn_at(compares, [_op(o) for o in ops], [])
+        if ok:
+            return revision
         self.failed += 1
         # Was it the fence or a guard? Only the fence demotes; a vanished job is routine.
         if not self._store.txn(fence_compares(fence), [], []):
             log.warning("leader key changed under us (term %d); demoting", fence.term)
             self._on_fence_lost(f"leader key changed (term {fence.term} fenced out)")
-        return False
+        return None
+
+    def changed_since(self, guard: UnchangedSince) -> list[KeyValue]:
+        """The keys under ``guard.prefix`` created or rewritten after ``guard.revision`` (read now).
+
+        For the log line of a refused write: which key broke the guard. Empty when the key is gone
+        again by the time of the read.
+        """
+        kvs, _ = self._store.get_prefix(guard.prefix)
+        return [kv for kv in kvs if kv.mod_revision > guard.revision]
 
     def check(self) -> bool:
         """True when the leader key is still ours (an empty fenced transaction)."""

@@ -283,13 +283,23 @@ class EtcdStore:
         Returns:
             True if the compares held. A lost compare is ``False``, not an exception.
         """
+        return self.txn_at(compares, success, failure)[0]
+
+    def txn_at(
+        self, compares: Sequence[Compare], success: Sequence[Put | Delete], failure: Sequence[Put | Delete] = ()
+    ) -> tuple[bool, int]:
+        """:meth:`txn`, and the store's revision after it: the revision of its writes when it wrote any.
+
+        Returns:
+            ``(compares held, revision)``. A lost compare is ``False``, not an exception.
+        """
         req = etcdrpc.TxnRequest(
             compare=[_compare_proto(c) for c in compares],
             success=[_op_proto(o) for o in success],
             failure=[_op_proto(o) for o in failure],
         )
         resp = self._call("txn", lambda s, t: s.kv.Txn(req, t))
-        return bool(resp.succeeded)
+        return bool(resp.succeeded), int(resp.header.revision)
 
     def compact(self, revision: int) -> None:
         """Drop history before ``revision`` (watches starting earlier get a resync)."""
@@ -455,7 +465,10 @@ def iter_chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
 
 
 def _compare_proto(c: Compare) -> Any:
-    msg = etcdrpc.Compare(key=c.key.encode(), result=_RESULTS[c.op], target=_TARGETS[c.target])
+    key = c.key.encode()
+    msg = etcdrpc.Compare(key=key, result=_RESULTS[c.op], target=_TARGETS[c.target])
+    if c.prefix:
+        msg.range_end = prefix_range_end(key)
     if c.target == "create":
         msg.create_revision = c.value
     elif c.target == "mod":

@@ -129,7 +129,10 @@ class Keyspace:
     def allocation(self, node: str, gpu_uuid: str, job: str) -> str:
         return self._k("allocations", _seg(node, "node"), _seg(gpu_uuid, "gpu_uuid"), _seg(job, "job"))
 
-    def allocations_prefix(self, node: str | None = None) -> str:
+    def allocations_prefix(self, node: str | None = None, gpu_uuid: str | None = None) -> str:
+        """Every allocation; of ``node``; or of one GPU of it (ends with ``/``: GPU-1 is not GPU-10)."""
+        if node and gpu_uuid:
+            return self._k("allocations", _seg(node, "node"), _seg(gpu_uuid, "gpu_uuid"), "")
         return self._k("allocations", _seg(node, "node"), "") if node else self._k("allocations", "")
 
     def directive(self, job: str) -> str:

@@ -81,23 +81,29 @@ _OPS = ("==", "!=", "<", ">")
 
 @dataclass(frozen=True)
 class Compare:
-    """Transaction guard on one key.
+    """Transaction guard on one key, or on every key under a prefix.
 
     ``Compare(key, "create", "==", 0)`` means "the key does not exist";
     ``Compare(key, "mod", "==", kv.mod_revision)`` means "nobody wrote it since I read it";
-    ``Compare(key, "create", "==", kv.create_revision)`` means "it is the same incarnation".
+    ``Compare(key, "create", "==", kv.create_revision)`` means "it is the same incarnation";
+    ``Compare(prefix, "mod", "<", rev + 1, prefix=True)`` means "no key under ``prefix`` was
+    created or rewritten after revision ``rev``" (a key deleted since passes: it is not there).
 
     Args:
-        key: the key.
+        key: the key (with ``prefix``: the key prefix, e.g. ending in ``/``).
         target: ``create`` / ``mod`` revision, ``version``, ``value`` or ``lease``.
         op: ``==``, ``!=``, ``<`` or ``>``.
         value: an int for revisions, versions and leases; bytes, str or a record for ``value``.
+        prefix: compare every key under ``key`` (etcd's range compare, ``range_end``): it holds
+            when every key there satisfies it. An empty range compares as one absent key
+            (revisions, version and lease 0), so a ``value`` compare on it fails.
     """
 
     key: str
     target: CompareTarget
     op: CompareOp
     value: Any
+    prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.target not in _TARGETS:

@@ -128,9 +128,17 @@ class CoordinatorMetrics(Collector):
             buckets=QUEUE_WAIT_BUCKETS,
             registry=None,
         )
+        self.gpu_changed = Counter(
+            "gpupool_scheduler_gpu_changed",
+            "Writes adding to a GPU (kind: Grant, Regrant, Deflate) that etcd refused because an allocation on "
+            "that GPU was written after the snapshot they were decided on, not by the leader (garbage in etcd); "
+            "the next cycle decides again.",
+            ["kind"],
+            registry=None,
+        )
         self._parts: tuple[Any, ...] = (
             self.cycles, self.cycles_skipped, self.cycle_seconds, self.decisions, self.grants, self.preemptions, self.resizes,
-            self.resize_refusals, self.rejections, self.queue_wait,
+            self.resize_refusals, self.rejections, self.queue_wait, self.gpu_changed,
         )  # fmt: skip
         self._autoscale: Any = None  # the last cycle's AutoscaleSignal
 
@@ -173,6 +181,8 @@ class CoordinatorMetrics(Collector):
                     self.resize_refusals.labels(qos=qos(d.job)).inc()
                 elif kind == "Reject":
                     self.rejections.labels(reason=reason_code(d.reason), qos=qos(d.job)).inc()
+            for kind, n in (getattr(report, "gpu_changed", None) or {}).items():
+                self.gpu_changed.labels(kind=kind).inc(n)
             for job in report.granted_jobs:
                 self.grants.labels(qos=qos(job)).inc()
                 view = jobs.get(job)

@@ -37,6 +37,7 @@ from gpupool_sdk.scheduler import Scheduler
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.scheduler.reject import (
     FENCE_COMPARES,
+    JOB_GUARDS,
     grant_txn_ops,
     job_txn_ops,
     max_slices_for,
@@ -98,7 +99,10 @@ def test_fence_adds_the_compares_the_count_assumes() -> None:
 def test_each_plan_needs_what_the_formula_says(n: int) -> None:
     cfg = st.SchedulerConfig()
     fresh = plan(_grant("j", 0, n), _state([("j", n, 0)]), KS, cfg)
-    assert fresh.txn_ops == grant_txn_ops(n) == max(n + 1, 3)
+    # n allocation puts + the status; compares: the fence, the spec and one per GPU (nothing
+    # written there since the snapshot), so the compares decide: n + 3.
+    assert len(fresh.ops) == n + 1 and len(fresh.gpu_guards) == n
+    assert fresh.txn_ops == max(grant_txn_ops(n), FENCE_COMPARES + JOB_GUARDS + n) == n + 3 <= job_txn_ops(n)
     # A re-grant on other GPUs to a job that holds 3 slices and has a directive: each old key deleted too.
     moved = plan(_grant("j", 3, n), _state([("j", n, 3)], directive=True), KS, cfg)
     assert moved.txn_ops == grant_txn_ops(n, dropped=3, directive=True) == n + 5
@@ -229,10 +233,13 @@ class RecordingWriter:
         self.txns: list[tuple[Op, ...]] = []
 
     def write(self, ops: Sequence[Op], guards: Sequence[Guard] = ()) -> bool:
+        return self.commit(ops, guards) is not None
+
+    def commit(self, ops: Sequence[Op], guards: Sequence[Guard] = ()) -> int | None:
         if self.refuse_over and txn_ops(len(ops), FENCE_COMPARES + len(guards)) > self.refuse_over:
             raise TxnTooLargeError("etcd at 127.0.0.1:2379 refused txn: too many operations in one transaction")
         self.txns.append(tuple(ops))
-        return True
+        return 1000 + len(self.txns)  # the revision of the write
 
     def check(self) -> bool:
         return True
@@ -257,7 +264,7 @@ def test_a_grant_over_the_limit_is_not_sent_the_job_is_rejected_and_the_cycle_go
     assert writer.allocation_puts("big") == 0
     big = writer.status("big")
     assert big is not None and big.state is JobState.REJECTED
-    assert "a grant of 130 slices needs 131 operations" in big.reason and "--max-txn-ops >= 134" in big.reason
+    assert "a grant of 130 slices needs 133 operations" in big.reason and "--max-txn-ops >= 134" in big.reason
     small = writer.status("small")
     assert small is not None and small.state is JobState.GRANTED
     assert report.applied == {"Reject": 1, "Grant": 1} and report.granted_jobs == ["small"] and report.too_large == 1
@@ -272,7 +279,7 @@ def test_a_grant_etcd_refuses_as_too_large_rejects_the_job_naming_both_flags() -
     report = _applier(writer, 1024).apply([_grant("big", 0, 130), _grant("small", 130, 1)], state)
     big = writer.status("big")
     assert big is not None and big.state is JobState.REJECTED
-    assert "etcd refused a transaction of 131 operations" in big.reason
+    assert "etcd refused a transaction of 133 operations" in big.reason
     assert "--etcd-max-txn-ops 1024" in big.reason and "--max-txn-ops >= 134" in big.reason
     assert writer.allocation_puts("big") == 0
     assert (s := writer.status("small")) is not None and s.state is JobState.GRANTED
