@@ -109,9 +109,9 @@ def test_a_ghost_written_between_snapshot_and_grant_is_not_overcommitted(
     ghost = _ghost(store, pool.gpu)  # the seam: after the snapshot, before the grant
     with caplog.at_level(logging.WARNING, logger="gpupool_sdk.coordinator.apply"):
         report = pool.applier.apply(decisions, state)
+    assert pool.used_bytes() == GHOST_BYTES <= pool.gpu.memory_bytes
     assert report.gpu_changed == {"Grant": 1} and report.lost == 1 and not report.applied
     assert pool.election.is_leader()  # a changed GPU is not a lost fence
-    assert pool.used_bytes() == GHOST_BYTES <= pool.gpu.memory_bytes
     assert store.get(ks.job_status("j")) is None
     (line,) = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert pool.gpu.uuid in line and ghost in line and "Grant for j" in line
@@ -233,6 +233,7 @@ def test_the_coordinator_counts_a_refused_grant_and_grants_again_once_the_ghost_
 
         first = coord.run_cycle()
         assert first is not None and sched.ghosts == 1
+        assert not store.get(store.keys.allocation(gpu.node, gpu.uuid, "j"))  # not over capacity
         assert first.gpu_changed == {"Grant": 1} and "Grant" not in first.applied and first.granted_jobs == ()
         assert coord.stats.gpu_changed == 1 and coord.is_leader
         assert coord._wake.is_set()  # the loop runs the next cycle without waiting loop_wait_s
