@@ -93,7 +93,7 @@ def test_coordinator_limit_above_etcds_turns_etcds_refusal_into_a_rejection(coor
     with pytest.raises(JobRejectedError) as info:
         client.acquire(JobSpec(name="big", gpus=130, memory="1GiB"), timeout=DEADLINE * 2)
     reason = str(info.value)
-    assert "etcd refused a transaction of 131 operations" in reason
+    assert "etcd refused a transaction of 133 operations" in reason  # 130 puts + status; 3 + 130 compares
     assert "--etcd-max-txn-ops 1024" in reason and "--max-txn-ops >= 134" in reason
     small = client.acquire(JobSpec(name="small", gpus=1, memory="1GiB"), timeout=DEADLINE * 2)
     assert len(small.allocations) == 1
