@@ -721,7 +721,13 @@ class Applier:
 
     def _skipped(self, p: Plan, report: ApplyReport) -> None:
         """Log a plan refused by a guard while the fence held: a GPU changed, or else the job did."""
-        changed = [(g, kvs) for g in p.gpu_guards if (kvs := self._writer.changed_since(g))]
+        try:
+            changed = [(g, kvs) for g in p.gpu_guards if (kvs := self._writer.changed_since(g))]
+        except StoreError as exc:  # only the log line needs the read: never fail the batch for it
+            log.warning("%s for %s refused by a guard (the job or one of its GPUs %s changed since the snapshot; "
+                        "could not read which: %s); the next cycle decides again", p.kind, p.job,
+                        ", ".join(g.prefix for g in p.gpu_guards) or "-", exc)
+            return
         if not changed:
             # (Or a key written on one of its GPUs meanwhile is already gone again: rare, and harmless.)
             log.info("%s for %s skipped: the job changed since the snapshot", p.kind, p.job)
