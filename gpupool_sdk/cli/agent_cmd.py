@@ -26,7 +26,13 @@ import click
 
 from gpupool_sdk.agent.agent import NodeAgent, run_agents
 from gpupool_sdk.agent.signals import install_stop_handlers
-from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option, resolve_endpoints
+from gpupool_sdk.cli.common import (
+    endpoints_option,
+    etcd_security_options,
+    prefix_option,
+    resolve_endpoints,
+    wait_for_etcd,
+)
 from gpupool_sdk.client.node import remove_agent_file, write_agent_file
 from gpupool_sdk.config import KEEPALIVE_ENV, LEASE_TTL_ENV, RETRY_TIMEOUT_ENV, LeaseTiming
 from gpupool_sdk.errors import ConfigError, SpecError
@@ -212,6 +218,8 @@ def agent(
             except ConfigError as exc:
                 raise click.BadParameter(str(exc), param_hint="--metrics-port/--metrics-addr") from None
             click.echo(f"agent: metrics on http://{metrics_addr}:{metrics.port}/metrics", err=True)
+        # Started beside etcd (or on a loaded machine): wait up to one TTL for it, then exit 3.
+        wait_for_etcd("agent", endpoints, store.revision, timing.ttl_s)
         run_agents(agents, stop, wake=wake, on_started=started)
     finally:
         for f in node_file:

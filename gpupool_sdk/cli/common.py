@@ -164,6 +164,45 @@ def _naming_endpoints(endpoints: str | None, exc: Exception) -> str:
     return msg if where in msg else f"{where}: {msg}"
 
 
+def wait_for_etcd(who: str, endpoints: str | None, probe: Callable[[], T], window_s: float) -> T:
+    """``probe()`` until it reaches etcd, for up to ``window_s`` seconds: a daemon's first contact.
+
+    A daemon (``gpupool coordinator``, ``gpupool agent``) often starts beside etcd (a pod, a
+    systemd unit, a loaded machine where a TLS handshake times out): one failed call is no reason
+    to exit. Each failure is reported on stderr (naming the endpoint) and retried, the wait doubling
+    from 0.2 s; once ``window_s`` has passed the last failure propagates (the caller exits 3).
+
+    Args:
+        who: the command, for the messages.
+        endpoints: the ``--endpoints`` option (named in the messages).
+        probe: a cheap etcd call; raises ``StoreUnavailableError`` when etcd cannot be reached.
+        window_s: how long to keep trying.
+
+    Returns:
+        What ``probe`` returned.
+
+    Example:
+        >>> wait_for_etcd("agent", None, lambda: 7, 1.0)
+        7
+    """
+    deadline = time.monotonic() + max(0.0, window_s)
+    wait = 0.2
+    while True:
+        try:
+            return probe()
+        except StoreUnavailableError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            click.echo(
+                f"{who}: etcd unreachable: {_naming_endpoints(endpoints, exc)}; retrying in {min(wait, left):.1f}s "
+                f"(giving up in {left:.0f}s)",
+                err=True,
+            )
+            _sleep(min(wait, left))
+            wait = min(2 * wait, 5.0)
+
+
 def watch_loop(
     endpoints: str | None,
     watch_s: float | None,

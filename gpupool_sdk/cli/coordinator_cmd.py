@@ -16,7 +16,13 @@ from types import FrameType
 
 import click
 
-from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option, resolve_endpoints
+from gpupool_sdk.cli.common import (
+    endpoints_option,
+    etcd_security_options,
+    prefix_option,
+    resolve_endpoints,
+    wait_for_etcd,
+)
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator
 from gpupool_sdk.coordinator.coordinator import DEFAULT_ETCD_MAX_TXN_OPS
@@ -247,9 +253,9 @@ def coordinator(
         hint = "--orphan-grace" if exc.field == "orphan_grace_s" else "--loop-wait"
         raise click.BadParameter(str(exc), param_hint=hint) from None
     try:
-        # Fail fast (exit 3, naming the endpoint) on a wrong --endpoints, as `gpupool agent` does;
-        # once running, the replica rides out etcd outages.
-        store.revision()
+        # A wrong --endpoints exits 3 (naming the endpoint) after one TTL of retries, as `gpupool
+        # agent` does: a replica started beside etcd waits for it; once running it rides out outages.
+        wait_for_etcd("coordinator", endpoints, store.revision, timing.ttl_s)
     except StoreUnavailableError:
         store.close()
         raise
