@@ -49,7 +49,7 @@ from typing import Any
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator.apply import Applier, ApplyReport
 from gpupool_sdk.coordinator.election import Election, ElectionTiming
-from gpupool_sdk.coordinator.fencing import DeleteOp, FencedWriter, PutOp, Unchanged
+from gpupool_sdk.coordinator.fencing import Absent, DeleteOp, FencedWriter, Guard, PutOp, Unchanged
 from gpupool_sdk.coordinator.snapshot import DecodeCache, PoolState, build_state
 from gpupool_sdk.errors import ConfigError, GpupoolError, NotLeaderError, SpecError, StoreError
 from gpupool_sdk.resources import Allocation
@@ -73,6 +73,8 @@ USAGE_ACCRUE_S = 1.0
 # leader puts: our own writes (or a deposed leader's, which a new term re-reads anyway). And
 # telemetry, which every job rewrites every few seconds: the next cycle reads it, at the latest
 # loop_wait later, instead of a cycle per report.
+#: ``Coordinator._usage_written`` of a job whose last usage write raised (it may have landed).
+_UNKNOWN = -1
 _QUIET_PUTS = frozenset({"jobs.status", "allocations", "directives", "checkpoints", "usage", "term", "telemetry"})
 
 # Keys that never need a cycle, put or deleted: the leader's own autoscale signal, and the
@@ -221,6 +223,11 @@ class Coordinator:
         self._watcher: Any = None
         self._ledger: UsageLedger | None = None
         self._ledger_dirty: set[str] = set()
+        # usage/{job} mod revision of this term's last committed write (_UNKNOWN: a write whose
+        # outcome is not known); with the snapshot's revisions they guard every usage write.
+        self._usage_written: dict[str, int] = {}
+        self._usage_seen: Mapping[str, int] = {}
+        self._live_jobs: frozenset[str] = frozenset()
         self._reset_ledger = False
         # Jobs being charged: their slices and the monotonic time they are charged up to.
         self._holding: dict[str, tuple[tuple[Allocation, ...], float]] = {}
@@ -407,6 +414,7 @@ class Coordinator:
                 self._reset_ledger = False
                 self._ledger = None
                 self._ledger_dirty.clear()
+                self._usage_written.clear()
                 self._holding.clear()
                 self._closed.clear()
                 self._last_accrual = None
@@ -438,6 +446,7 @@ class Coordinator:
                     # Every decision was applied: a cycle before valid_until on the same input repeats them.
                     self._scheduled = (inputs, valid_until)
             self._last_state = state
+            self._usage_seen, self._live_jobs = state.usage_revisions, frozenset(state.snapshot.jobs)
             # After the writes, so accounting and garbage collection never delay a grant.
             self._account(state)
             self._collect_orphans(state)
@@ -549,6 +558,7 @@ class Coordinator:
         for job in [j for j in self._ledger.records if j not in self._holding and j not in self._ledger_dirty]:
             if job not in state.snapshot.jobs:
                 del self._ledger.records[job]
+                self._usage_written.pop(job, None)
 
     def _charge(self, job: str, allocs: Sequence[Allocation], until_m: float, state: PoolState) -> None:
         """Charge ``job`` for holding ``allocs`` from where it was charged up to, to ``until_m``."""
@@ -624,19 +634,72 @@ class Coordinator:
         self._ledger_dirty.discard(job)
         return rec.to_dict() if rec is not None else None
 
+    def _usage_guard(self, job: str) -> Guard | None:
+        """What a write of ``usage/{job}`` must find: the key as this leader last wrote or read it.
+
+        None: do not write (a job that has left, whose last write may have landed and been
+        deleted since by ``gpupool job forget``: re-creating it would undo the operator).
+        """
+        key = self.keys.usage(job)
+        own, seen = self._usage_written.get(job), self._usage_seen.get(job)
+        if own is not None and own != _UNKNOWN:
+            return Unchanged(key, max(own, seen or 0))
+        if seen is not None:
+            return Unchanged(key, seen)
+        if own == _UNKNOWN and job not in self._live_jobs:
+            return None
+        return Absent(key)
+
     def _flush_usage(self, force: bool = False) -> None:
+        """Write the changed ``usage/{job}`` records, each guarded by :meth:`_usage_guard`.
+
+        A record whose key changed under this leader (forgotten by an operator, written by an
+        earlier term) is dropped from memory, not written: it reloads from etcd if the job is
+        charged again. A write that raised (its outcome unknown) is retried against the next snapshot.
+        """
         if self._ledger is None or not self._ledger_dirty:
             self._last_flush = time.monotonic()
             return
         jobs = sorted(self._ledger_dirty)
-        step = max(1, min(64, self.config.etcd_max_txn_ops))  # etcd caps operations per transaction
+        step = max(1, min(32, self.config.etcd_max_txn_ops // 2))  # etcd caps operations (and compares) per txn
         for i in range(0, len(jobs), step):
-            chunk = jobs[i : i + step]
-            ops = []
+            chunk = [j for j in jobs[i : i + step] if self._ledger.get(j) is not None]
+            planned: list[tuple[str, PutOp, Guard]] = []
             for job in chunk:
-                rec = self._ledger.get(job)
-                if rec is not None:
-                    ops.append(PutOp(self.keys.usage(job), encode(rec)))
-            if self.writer.write(ops):
-                self._ledger_dirty.difference_update(chunk)
+                rec, guard = self._ledger.get(job), self._usage_guard(job)
+                if rec is None:
+                    continue
+                if guard is None:
+                    self._drop_usage(job, "it left and its record may have been forgotten since")
+                    continue
+                planned.append((job, PutOp(self.keys.usage(job), encode(rec)), guard))
+            # One transaction for the chunk; when a guard fails, each job alone finds which.
+            if planned and not self._commit_usage(planned):
+                for one in planned if len(planned) > 1 else ():
+                    if not self._commit_usage([one]):
+                        self._drop_usage(one[0], "its usage key changed under this leader (forgotten?)")
+                if len(planned) == 1:
+                    self._drop_usage(planned[0][0], "its usage key changed under this leader (forgotten?)")
         self._last_flush = time.monotonic()
+
+    def _commit_usage(self, batch: list[tuple[str, PutOp, Guard]]) -> bool:
+        """Write ``batch`` in one fenced, guarded transaction; False when a guard (or the fence) failed."""
+        try:
+            revision = self.writer.commit([op for _, op, _ in batch], [g for _, _, g in batch])
+        except StoreError:
+            for job, _, _ in batch:
+                self._usage_written[job] = _UNKNOWN
+            raise
+        if revision is None:
+            return False
+        for job, _, _ in batch:
+            self._usage_written[job] = revision
+            self._ledger_dirty.discard(job)
+        return True
+
+    def _drop_usage(self, job: str, why: str) -> None:
+        assert self._ledger is not None
+        log.info("usage/%s not written: %s", job, why)
+        self._ledger.records.pop(job, None)
+        self._ledger_dirty.discard(job)
+        self._usage_written.pop(job, None)

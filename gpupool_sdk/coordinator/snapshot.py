@@ -128,6 +128,8 @@ class PoolState:
         orphans: allocations (and statuses, directives) that belong to no live job.
         resumes: every ``checkpoints/{job}`` record.
         usage: raw ``usage/{job}`` bodies.
+        usage_revisions: the mod revision of each ``usage/{job}`` key read (the coordinator's
+            usage writes compare it: a record deleted by ``gpupool job forget`` is not re-created).
         cordons: operator intent bodies by GPU UUID (reason, by, at), ``{}`` when unreadable.
         drains: operator intent bodies by node.
         problems: keys that could not be used, with the reason.
@@ -146,6 +148,7 @@ class PoolState:
     orphans: tuple[Orphan, ...] = ()
     resumes: Mapping[str, ResumeRecord] = field(default_factory=dict)
     usage: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    usage_revisions: Mapping[str, int] = field(default_factory=dict)
     cordons: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     drains: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     timeslice_members: Mapping[str, frozenset[str]] = field(default_factory=dict)
@@ -292,6 +295,7 @@ def build_state(
     telemetry: dict[str, Mapping[str, Any]] = {}
     resumes: dict[str, ResumeRecord] = {}
     usage: dict[str, Mapping[str, Any]] = {}
+    usage_revisions: dict[str, int] = {}
     results: dict[str, JobResult] = {}
     timeslice: dict[str, set[str]] = {}
     cordons: dict[str, Mapping[str, Any]] = {}
@@ -368,6 +372,7 @@ def build_state(
                 resumes[parts[0]] = parse(kv, ResumeRecord)
             elif kind == "usage":
                 usage[parts[0]] = parse_dict(kv)
+                usage_revisions[parts[0]] = kv.mod_revision
             elif kind == "results":
                 results[parts[0]] = parse(kv, JobResult)
             elif kind == "timeslice.member":
@@ -559,6 +564,7 @@ def build_state(
         orphans=tuple(orphans),
         resumes=resumes,
         usage=usage,
+        usage_revisions=usage_revisions,
         cordons=cordons,
         drains=drains,
         problems=tuple(problems),
