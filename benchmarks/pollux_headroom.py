@@ -147,7 +147,9 @@ def hesrpt_allocation(
     bounds) and the weighted throughput ``sum mu_j s(k_j)`` equals the number of jobs alive. Solved
     backward from the last phase (one job: ``mu s(k) = 1``); the allocation depends only on the
     ranks and bounds, not on the sizes (heSRPT's closed form for ``s(k) = k^p`` is the unbounded
-    case of the same conditions).
+    case of the same conditions). Optimal for the completion order given; with unequal bounds
+    another order may do better (heSRPT proves shortest-first optimal for equal jobs' curves
+    without bounds).
 
     Example:
         >>> [round(k, 2) for k in hesrpt_allocation((1.0, 8.0), 8.0, 0.05)]
