@@ -29,7 +29,8 @@ the eight average JCTs:
 
 The fluid figures are heuristics, not bounds: a real scheduler can beat some of them (at
 ``--sigma 0.2`` the pool beats SRPT 2x). Usage: ``python benchmarks/pollux_headroom.py [--sigma
-0.05] [--per-workload]`` (a few minutes: the heSRPT splits are solved numerically).
+0.05] [--per-workload]`` (about 10 minutes on a loaded 2-core machine: the heSRPT splits are
+solved numerically).
 """
 
 from __future__ import annotations
