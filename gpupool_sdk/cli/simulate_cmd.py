@@ -123,8 +123,16 @@ def simulate(
 
     Example: gpupool simulate --trace tiresias_60job.csv --cluster "2*8xV100-32GB" --policy fifo --policy gpupool
     """
+    import importlib.util
     import math
     from dataclasses import asdict
+
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        # Checked before the simulation runs (minutes on a large trace), not when the plot is drawn.
+        raise click.BadParameter(
+            "needs matplotlib, which is not installed: pip install 'gpupool-sdk[plot]' (or drop --plot)",
+            param_hint="--plot",
+        )
 
     from gpupool_sdk.errors import ConfigError
     from gpupool_sdk.scheduler.config import load_policy_config, parse_assignment

@@ -83,6 +83,26 @@ def test_table_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert png.stat().st_size > 1000
 
 
+def test_plot_without_matplotlib_is_refused_before_the_simulation_runs(tmp_path: Path) -> None:
+    """Without matplotlib: exit 2 naming --plot and the extra, at once (no simulation, no table)."""
+    import subprocess
+
+    trace = tmp_path / "arrivals.csv"
+    trace.write_text(ROWS)
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # not importable, as where it is not installed
+        "from gpupool_sdk.cli.main import main; sys.argv[0] = 'gpupool'; sys.exit(main())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "simulate", "--trace", str(trace), "--cluster", "2*4xV100-32GB",
+         "--policy", "fifo", "--plot", str(tmp_path / "out.png")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--plot" in r.stderr and "gpupool-sdk[plot]" in r.stderr, r.stderr
+    assert "avg JCT" not in r.stdout and not (tmp_path / "out.png").exists()
+
+
 def test_bad_cluster_is_a_usage_error(tmp_path: Path) -> None:
     trace = tmp_path / "arrivals.csv"
     trace.write_text(ROWS)
