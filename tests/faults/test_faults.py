@@ -15,7 +15,7 @@ import pytest
 from faults.chaos import CLUSTER_KINDS, SINGLE_KINDS, FaultConfig, FaultRun, summarize
 
 # Long (a minute or two each): started first. They run inside the parallel phase of scripts/test since
-# the GPU guard (docs/reliability.md: 32 of 32 passed under load and beside other tests).
+# the GPU guard (docs/reliability.md: 40 of 40 passed under load and beside other tests).
 pytestmark = [pytest.mark.slow]
 
 
