@@ -18,6 +18,7 @@ Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is False.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -34,6 +35,13 @@ TEST_PREFIX_ROOT = "/gpupool-test"
 _TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+# A shell starts a background job (`scripts/test &`, a CI runner without a terminal) with SIGINT
+# ignored, and every process the tests start would inherit that: the tests that press Ctrl-C on a
+# `gpupool ... -w` (a real SIGINT) would then wait for ever. Tests model a terminal: SIGINT is
+# handled here, so the children start with the default action and Python's KeyboardInterrupt.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

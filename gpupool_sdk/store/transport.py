@@ -232,7 +232,8 @@ def map_grpc_error(exc: grpc.RpcError, op: str, endpoint: str, security: EtcdSec
 def _tls_hint(low: str, sec: EtcdSecurity) -> str:
     if "handshake read failed" in low:
         return (
-            "etcd closed the connection during the TLS handshake: it probably serves plaintext (http) on this port; "
+            "etcd closed the connection during the TLS handshake: it probably serves plaintext (http) on this port "
+            "(or it was overloaded or restarting); "
             f"drop the TLS settings ({describe('cacert')}, https://) or point the endpoints at etcd's https port"
         )
     if "certificate_verify_failed" in low:
