@@ -108,7 +108,8 @@ def _memory_ok(phys: int, req: SliceRequest, ratio: float) -> bool:
 # separately, not summed. What the coordinator's transactions hold (coordinator/apply.py):
 #
 # * compares: the fence (leader key create revision and value) plus one guard per plan (the
-#   job's spec is the same incarnation);
+#   job's spec is the same incarnation); a grant, re-grant or deflate adds one compare per GPU it
+#   adds to (no allocation on that GPU written since the snapshot: the GPU guard);
 # * Grant: one put per slice, a delete per allocation the job held and does not keep, a delete of
 #   its directive when it had one, the status put;
 # * Release: a delete per held allocation, checkpoints/{job}, usage/{job}, a delete of the
@@ -139,10 +140,10 @@ def grant_txn_ops(slices: int, dropped: int = 0, directive: bool = False) -> int
     """Operations of a grant of ``slices`` slices to a job that gives up ``dropped`` held allocations.
 
     Example:
-        >>> grant_txn_ops(130)   # 130 allocation puts + the status
-        131
+        >>> grant_txn_ops(130)   # 130 allocation puts + the status; 3 + 130 compares (a guard per GPU)
+        133
     """
-    return txn_ops(slices + dropped + (1 if directive else 0) + 1)
+    return txn_ops(slices + dropped + (1 if directive else 0) + 1, FENCE_COMPARES + JOB_GUARDS + slices)
 
 
 def release_txn_ops(held: int, directive: bool = True, usage: bool = True) -> int:
