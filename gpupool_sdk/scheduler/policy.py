@@ -107,7 +107,8 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
 
     ``memo`` (kept by a :class:`Scheduler` from cycle to cycle) reuses the GPU layout while the
     GPUs, cordons and drains are unchanged, each job's holdings while its view is the same
-    object, and the last cycle's ledger as it was built (before the cycle changed it): when few
+    object (or a new view with the same allocations tuple, spec, memory peaks and utilisation:
+    one refreshed for its attained and remaining service), and the last cycle's ledger as it was built (before the cycle changed it): when few
     jobs' holdings changed, that ledger is brought up to date by un-reserving and reserving just
     those jobs, and the cycle works on a clone. The ledger is the same as without the memo.
     """
@@ -127,8 +128,8 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
         if not view.allocations:
             continue
         known = old.get(name)
-        if known is not None and known[0] is view:
-            held_by_job[name] = known
+        if known is not None and (known[0] is view or _same_holdings(known[0], view)):
+            held_by_job[name] = known if known[0] is view else (view, known[1])
             if name in old_below:
                 below.add(name)
             if name in old_short:
@@ -179,6 +180,19 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
     memo.config, memo.held_layout, memo.held = config, layout, held_by_job
     memo.below_quota, memo.short, memo.vanished = below, short, bool(short)
     return base.clone()
+
+
+def _same_holdings(old: JobView, new: JobView) -> bool:
+    """True when ``new`` holds what ``old`` held, as the ledger counts it: the same allocations
+    tuple and spec, the same memory peaks (the predicted peak of a shared slice) and measured
+    utilisation (a view refreshed for its attained and remaining service only)."""
+    return (
+        old.allocations is new.allocations
+        and old.spec is new.spec
+        and old.memory_peak_bytes == new.memory_peak_bytes
+        and old.memory_peak_history == new.memory_peak_history
+        and old.gpu_util == new.gpu_util
+    )
 
 
 class _BuildMemo:
@@ -352,7 +366,7 @@ class Scheduler:
                 cyc.preempting[dec.job] = dec.for_job
 
         # Gangs that lost a member: release every node's part (no half-gang keeps a slice).
-        for rel in broken_gangs(snapshot, ledger, proto.freed):
+        for rel in broken_gangs(snapshot, ledger, proto.freed, self._memo.held):
             cyc.decisions.append(rel)
             cyc.busy.add(rel.job)
             proto.busy.discard(rel.job)
