@@ -63,7 +63,7 @@ from gpupool_sdk.scheduler.preempt import (
     VictimIndex,
     balloon_bound,
     balloon_reason,
-    balloon_targets,
+    balloon_target,
     kept_after_shrink,
     las_bound,
     las_standing,
@@ -107,8 +107,8 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
 
     ``memo`` (kept by a :class:`Scheduler` from cycle to cycle) reuses the GPU layout while the
     GPUs, cordons and drains are unchanged, each job's holdings while its view is the same
-    object (or a new view with the same allocations tuple, spec, memory peaks and utilisation:
-    one refreshed for its attained and remaining service), and the last cycle's ledger as it was built (before the cycle changed it): when few
+    object (its holdings also while a new view has the same allocations tuple, spec, memory
+    peaks and utilisation: one refreshed for its attained and remaining service), and the last cycle's ledger as it was built (before the cycle changed it): when few
     jobs' holdings changed, that ledger is brought up to date by un-reserving and reserving just
     those jobs, and the cycle works on a clone. The ledger is the same as without the memo.
     """
@@ -129,11 +129,18 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
             continue
         known = old.get(name)
         if known is not None and (known[0] is view or _same_holdings(known[0], view)):
-            held_by_job[name] = known if known[0] is view else (view, known[1])
             if name in old_below:
                 below.add(name)
             if name in old_short:
                 short.add(name)
+            if known[0] is view:
+                held_by_job[name] = known
+                continue
+            # A new view holding the same: its holdings are kept, but it is still un-reserved and
+            # reserved again below, as any changed job (the loads' float sums, and so decisions,
+            # stay exactly those of a ledger updated job by job for every new view).
+            held_by_job[name] = (view, known[1])
+            changed.append(name)
             continue
         spec = view.spec
         if spec.qos_class is QoS.SHARED and any(a.memory_bytes < spec.memory_bytes for a in view.allocations):
@@ -337,6 +344,9 @@ class Scheduler:
         self._kept_last: dict[str, tuple[tuple[object, ...], tuple[int, ...], tuple[GpuLoad, ...]]] = {}
         self._kept_now: dict[str, tuple[tuple[object, ...], tuple[int, ...], tuple[GpuLoad, ...]]] = {}
         self._kept_layout: GpuLayout | None = None
+        #: per shared job holding allocations: (allocations, spec, peak, peak history, quota, balloon target).
+        self._btargets: dict[str, tuple[tuple[object, ...], JobSpec, int | None, tuple[int, ...], int, int]] = {}
+        self._btargets_config: SchedulerConfig | None = None
         #: per running job in the last victim index: (view, running priority, LAS standing).
         self._standings: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
 
@@ -520,11 +530,14 @@ class Scheduler:
                 try_balloon = try_preempt = False
             if try_balloon or try_preempt:
                 cyc.attempts += 1
-            if try_balloon and self._try_balloon(cyc, view, req, prio):
+            # A one-slice request that was not placed above: no GPU takes a slice of it now (the
+            # ledger is as it was then: a plan tried since was undone), as the searches may assume.
+            none_fit = req.count == 1 and not req.per_node
+            if try_balloon and self._try_balloon(cyc, view, req, prio, none_fit):
                 return
             if try_balloon:
                 cyc.no_balloon[shape] = _failed(cyc.no_balloon.get(shape), ledger.frees, prio)
-            if try_preempt and self._try_preempt(cyc, view, req, prio, las):
+            if try_preempt and self._try_preempt(cyc, view, req, prio, las, none_fit):
                 return
             if try_preempt:
                 cyc.no_preempt[pkey] = _failed(cyc.no_preempt.get(pkey), ledger.frees, prio)
@@ -761,14 +774,50 @@ class Scheduler:
         shr = {n: cyc.shrinking[n][0] for n in names if n in cyc.shrinking}
         return plan_from_freeing(cyc.ledger, req, pre, bal, shr)
 
-    def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
+    def _balloon_targets(self, cyc: _Cycle) -> dict[str, int]:
+        """:func:`balloon_targets` of the jobs holding allocations (any priority, none busy), each
+        job's quota and target kept from cycle to cycle while its allocations tuple and spec are
+        the same objects and its memory peaks are unchanged (what they are a function of)."""
+        config = cyc.config
+        if self._btargets_config is not config:
+            self._btargets, self._btargets_config = {}, config
+        memo = self._btargets
+        busy = cyc.busy
+        out: dict[str, int] = {}
+        for v, _held in self._memo.held.values():
+            spec = v.spec
+            if spec.qos != QoS.SHARED or v.state is not JobState.GRANTED or v.directive is not None:
+                continue
+            name = spec.name
+            allocs = v.allocations
+            if name in busy or not allocs:
+                continue
+            hit = memo.get(name)
+            if (
+                hit is None
+                or hit[0] is not allocs
+                or hit[1] is not spec
+                or hit[2] != v.memory_peak_bytes
+                or hit[3] != v.memory_peak_history
+            ):
+                quota = max(a.memory_bytes for a in allocs)
+                hit = memo[name] = (allocs, spec, v.memory_peak_bytes, v.memory_peak_history, quota,
+                                    balloon_target(v, quota, config))
+            if hit[5] < hit[4]:
+                out[name] = hit[5]
+        if len(memo) > 2 * len(self._memo.held) + 256:
+            held = self._memo.held
+            self._btargets = {n: e for n, e in memo.items() if n in held}
+        return out
+
+    def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float, none_fit: bool = False) -> bool:
         jobs = cyc.snapshot.jobs
         if cyc.balloonable is None:
             # Only jobs holding allocations can be ballooned (not the whole queue, every cycle).
-            targets = balloon_targets((v for v, _ in self._memo.held.values()), float("inf"), cyc.config, cyc.busy)
+            targets = self._balloon_targets(cyc)
             pool = sorted((jobs[n].spec.priority, n) for n in targets)
             cyc.balloonable = VictimIndex(cyc.ledger, [(n, float(p)) for p, n in pool], targets)
-        if not cyc.balloonable or cyc.balloonable.hopeless(req, balloon_bound(prio)):
+        if not cyc.balloonable or cyc.balloonable.hopeless(req, balloon_bound(prio), None, none_fit):
             return False
         groups = cyc.balloonable.groups(req, balloon_bound(prio), cyc.busy)
         assert cyc.balloonable.targets is not None
@@ -796,7 +845,13 @@ class Scheduler:
         return True
 
     def _try_preempt(
-        self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float, las: tuple[int, int] | None
+        self,
+        cyc: _Cycle,
+        view: JobView,
+        req: SliceRequest,
+        prio: float,
+        las: tuple[int, int] | None,
+        none_fit: bool = False,
     ) -> bool:
         now = cyc.snapshot.now
         config = cyc.config
@@ -820,7 +875,7 @@ class Scheduler:
                 ranked.append((v.name, hit[1]))
             self._standings = new
             cyc.victims = VictimIndex(cyc.ledger, ranked, None, standing)
-        if not cyc.victims or cyc.victims.hopeless(req, preempt_bound(prio), las):
+        if not cyc.victims or cyc.victims.hopeless(req, preempt_bound(prio), las, none_fit):
             return False  # also answers the shrink search: a shrink frees less than a preemption
         shrink = self._shrink_plan(cyc, req, prio, las) if config.shrink_elastic else None
         groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy, las)
