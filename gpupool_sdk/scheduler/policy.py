@@ -570,19 +570,25 @@ class Scheduler:
         this cycle's failure for its shape, if any (it answers while nothing was freed since)."""
         ledger = cyc.ledger
         gpus: list[int] | None = None
-        if view.name in cyc.pinned:
-            gpus = self._pinned(cyc, req, cyc.pinned[view.name])
+        name = req.job
+        pinned = cyc.pinned
+        if pinned and name in pinned:
+            gpus = self._pinned(cyc, req, pinned[name])
         if gpus is None and (cached is None or cached[0] != ledger.frees):
             # A request at least as large as one that failed since the last free fails too (loads
             # only grow while a cycle considers pending jobs); not for a job GPUs are held for.
-            generic = view.name not in ledger.blocked_jobs and view.name not in cyc.pinned and not req.per_node
+            generic = name not in ledger.blocked_jobs and name not in pinned and not req.per_node
             nkey = _no_place_key(req) if generic else None
             failed = cyc.no_place.get(nkey) if nkey is not None else None
             frees = ledger.frees
             memory, compute, peak, count = req.memory, req.compute, req.peak, req.min_count
-            if not failed or not any(
-                f == frees and m <= memory and c <= compute and p <= peak and n <= count for f, m, c, p, n in failed
-            ):
+            dominated = False
+            if failed:
+                for f, m, c, p, n in failed:
+                    if f == frees and m <= memory and c <= compute and p <= peak and n <= count:
+                        dominated = True
+                        break
+            if not dominated:
                 gpus = place(ledger, req)
                 if gpus is None and nkey is not None:
                     # Keep only the smallest failures (an antichain): one that asks at least as
