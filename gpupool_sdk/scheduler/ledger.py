@@ -421,6 +421,34 @@ class Ledger:
         total = sum(c.size for c in classes)
         return total > 0 and sum(len(c.empty) for c in classes) > threshold * total
 
+    def candidate_bound(self, req: SliceRequest) -> int:
+        """How many GPUs :meth:`candidates` would look at for ``req`` (those of its classes whose
+        index key clears the request's size), before checking reservations, nodes and the full
+        fit: at least as many as it yields. A placement needing more distinct GPUs than this
+        cannot succeed."""
+        if self._dirty:
+            self._flush()
+        classes = self.matching_classes(req.features, req.gpu_model)
+        if req.qos is QoS.EXCLUSIVE:
+            partial_lists: list[list[tuple[float, int]]] = []
+            need_part = 0.0
+            need_empty = float(req.memory)
+        elif req.qos is QoS.GUARANTEED:
+            wanted = _buckets_for(req.compute)
+            partial_lists = [c.part_g[b] for c in classes for b in wanted]
+            need_part = float(req.memory)
+            need_empty = float(req.memory)
+        else:
+            partial_lists = [c.part_s for c in classes]
+            need_part = float(req.peak)
+            need_empty = max(req.memory / self.ratio, float(req.peak))
+        n = 0
+        for lst in partial_lists:
+            n += len(lst) - bisect.bisect_left(lst, (need_part, -1))
+        for c in classes:
+            n += len(c.empty) - bisect.bisect_left(c.empty, (need_empty, -1))
+        return n
+
     def candidates(
         self, req: SliceRequest, avoid_nodes: Iterable[str] = (), min_island: int = 0, idle_first: bool = False
     ) -> Iterator[int]:

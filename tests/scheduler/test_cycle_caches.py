@@ -300,3 +300,27 @@ def test_ledger_kept_between_cycles_is_a_fresh_build() -> None:
             assert got.valid_until == want.valid_until, f"seed {seed}, cycle {i}"
             snap = _advance(snap, list(got.decisions), rng, i)
     assert incremental > 100, incremental  # the kept ledger was brought up to date, not rebuilt
+
+
+def test_candidate_bound_never_undercounts_and_place_decides_the_same() -> None:
+    """``Ledger.candidate_bound`` is at least the number of GPUs ``candidates`` yields, so the
+    early "fewer than min_count" answer of ``place`` is the one the full search gives."""
+    from gpupool_sdk.scheduler.filter import request_for
+    from gpupool_sdk.scheduler.placement import place
+
+    cut = 0
+    for seed in range(60):
+        snap, cfg = congested(seed)
+        ledger = policy_mod.build_ledger(snap, cfg)
+        rng = random.Random(seed)
+        for view in snap.jobs.values():
+            count = rng.choice([1, 2, 3, 4, 6, 8, view.spec.gpus])
+            req = request_for(view, cfg, count)
+            bound = ledger.candidate_bound(req)
+            assert bound >= len(list(ledger.candidates(req))), (seed, req)
+            fast = place(ledger, req)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(type(ledger), "candidate_bound", lambda self, r: 1 << 30)
+                assert place(ledger, req) == fast, (seed, req)
+            cut += count > 1 and bound < req.min_count
+    assert cut > 50, cut  # the early answer was exercised
