@@ -199,6 +199,8 @@ class Ledger:
         self._key_s: list[tuple[float, int] | None] = [None] * len(layout.gpus)
         self._match_cache: dict[tuple[tuple[str, ...], str | None], list[_ClassIndex]] = {}
         self._count_cache: dict[tuple[tuple[str, ...], str | None], int] = {}
+        #: GPUs whose load changed since their index keys were placed (see :meth:`_flush`).
+        self._dirty: set[int] = set()
 
     def clone(self) -> Ledger:
         """An independent copy: every later change to either leaves the other as it was.
@@ -206,7 +208,10 @@ class Ledger:
         Holdings lists are shared (the ledger never changes one in place: :meth:`reserve` makes a
         new list); loads, indexes, groups and reservations are copied.
         """
+        if self._dirty:
+            self._flush()
         new = Ledger.__new__(Ledger)
+        new._dirty = set()
         new.layout = self.layout
         new.spread_idle_above = self.spread_idle_above
         new.gpus = self.gpus
@@ -327,6 +332,8 @@ class Ledger:
     def shared_fit_key(self, gpu: int) -> float | None:
         """The best-fit key of a partly used GPU for ``shared`` slices (the room left: smaller
         is a tighter fit), or None when the GPU is idle, exclusive or unschedulable."""
+        if self._dirty:
+            self._flush()
         key = self._key_s[gpu]
         return None if key is None else key[0]
 
@@ -380,6 +387,7 @@ class Ledger:
         """Rebuild every sorted index from the loads (after bulk :meth:`reserve` with ``reindex=False``)."""
         layout = self.layout
         n = len(self.gpus)
+        self._dirty.clear()
         for cls in self._classes.values():
             for lst in cls.part_g:
                 lst.clear()
@@ -407,9 +415,39 @@ class Ledger:
         threshold = self.spread_idle_above
         if threshold >= 1.0 or req.qos is QoS.EXCLUSIVE:
             return False
+        if self._dirty:
+            self._flush()
         classes = self.matching_classes(req.features, req.gpu_model)
         total = sum(c.size for c in classes)
         return total > 0 and sum(len(c.empty) for c in classes) > threshold * total
+
+    def candidate_bound(self, req: SliceRequest) -> int:
+        """How many GPUs :meth:`candidates` would look at for ``req`` (those of its classes whose
+        index key clears the request's size), before checking reservations, nodes and the full
+        fit: at least as many as it yields. A placement needing more distinct GPUs than this
+        cannot succeed."""
+        if self._dirty:
+            self._flush()
+        classes = self.matching_classes(req.features, req.gpu_model)
+        if req.qos is QoS.EXCLUSIVE:
+            partial_lists: list[list[tuple[float, int]]] = []
+            need_part = 0.0
+            need_empty = float(req.memory)
+        elif req.qos is QoS.GUARANTEED:
+            wanted = _buckets_for(req.compute)
+            partial_lists = [c.part_g[b] for c in classes for b in wanted]
+            need_part = float(req.memory)
+            need_empty = float(req.memory)
+        else:
+            partial_lists = [c.part_s for c in classes]
+            need_part = float(req.peak)
+            need_empty = max(req.memory / self.ratio, float(req.peak))
+        n = 0
+        for lst in partial_lists:
+            n += len(lst) - bisect.bisect_left(lst, (need_part, -1))
+        for c in classes:
+            n += len(c.empty) - bisect.bisect_left(c.empty, (need_empty, -1))
+        return n
 
     def candidates(
         self, req: SliceRequest, avoid_nodes: Iterable[str] = (), min_island: int = 0, idle_first: bool = False
@@ -424,6 +462,8 @@ class Ledger:
         outside ``req.nodes`` when it names any (a job's own node, a gang's member nodes). ``min_island`` > 0
         restricts the search to classes that have NVLink islands of at least that size.
         """
+        if self._dirty:
+            self._flush()
         classes = self.matching_classes(req.features, req.gpu_model)
         if min_island:
             classes = [c for c in classes if c.max_island >= min_island]
@@ -469,22 +509,56 @@ class Ledger:
     # ------------------------------------------------------------------ index maintenance
 
     def _reindex(self, i: int) -> None:
-        cls = self._class_of[i]
-        if cls is None:
-            return
-        old = self._key_empty[i]
-        if old is not None:
-            _remove(cls.empty, old)
-            self._key_empty[i] = None
-        old = self._key_g[i]
-        if old is not None:
-            _remove(cls.part_g[self._bucket_g[i]], old)
-            self._key_g[i] = None
-        old = self._key_s[i]
-        if old is not None:
-            _remove(cls.part_s, old)
-            self._key_s[i] = None
-        self._place_keys(i, sort=True)
+        """Note that GPU ``i``'s load changed: its index keys are moved at the next read of the
+        indexes (:meth:`_flush`), so a change undone before then (a trial plan, an un-reserve and
+        re-reserve of the same holdings) costs no index work."""
+        if self._class_of[i] is not None:
+            self._dirty.add(i)
+
+    def _flush(self) -> None:
+        """Bring the sorted indexes up to date for every GPU noted by :meth:`_reindex` (a GPU
+        whose keys come out as they were is left in place)."""
+        dirty = sorted(self._dirty)
+        self._dirty.clear()
+        ratio = self.ratio
+        for i in dirty:
+            cls = self._class_of[i]
+            assert cls is not None
+            load = self.loads[i]
+            # The keys the GPU's load gives now (as :meth:`_place_keys` computes them).
+            ke: tuple[float, int] | None = None
+            kg: tuple[float, int] | None = None
+            ks: tuple[float, int] | None = None
+            b = self._bucket_g[i]
+            if load.slices == 0:
+                ke = (float(load.phys), i)
+            elif not load.exclusive:
+                if load.compute < 1.0 - COMPUTE_EPS:
+                    kg = (float(load.free_guaranteed), i)
+                    b = _bucket(1.0 - load.compute)
+                ks = (float(min(load.shared_headroom(ratio), load.phys - load.reserved - load.shared_peak)), i)
+            old = self._key_empty[i]
+            if old != ke:
+                if old is not None:
+                    _remove(cls.empty, old)
+                if ke is not None:
+                    bisect.insort(cls.empty, ke)
+                self._key_empty[i] = ke
+            old = self._key_g[i]
+            if old != kg or (kg is not None and b != self._bucket_g[i]):
+                if old is not None:
+                    _remove(cls.part_g[self._bucket_g[i]], old)
+                if kg is not None:
+                    bisect.insort(cls.part_g[b], kg)
+                    self._bucket_g[i] = b
+                self._key_g[i] = kg
+            old = self._key_s[i]
+            if old != ks:
+                if old is not None:
+                    _remove(cls.part_s, old)
+                if ks is not None:
+                    bisect.insort(cls.part_s, ks)
+                self._key_s[i] = ks
 
     def _place_keys(self, i: int, sort: bool) -> None:
         cls = self._class_of[i]

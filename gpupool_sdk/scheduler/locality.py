@@ -16,7 +16,7 @@ leaves, the whole gang is released (no half-gang keeps a slice).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 
 from gpupool_sdk.resources import JobState
@@ -74,18 +74,22 @@ def _held_elsewhere(view: JobView) -> list[str]:
     return sorted({a.node for a in view.allocations} - mine)
 
 
-def broken_gangs(snapshot: ClusterSnapshot, ledger: Ledger, skip: Collection[str] = ()) -> list[Release]:
+def broken_gangs(
+    snapshot: ClusterSnapshot, ledger: Ledger, skip: Collection[str] = (), holders: Iterable[str] | None = None
+) -> list[Release]:
     """Release every gang that holds slices but lost a member (or whose members no longer match
     where its slices are); their slices are freed in ``ledger`` for this cycle.
 
     The job goes back to PENDING: its surviving members see their slices gone and fence
     themselves (their launcher restarts them, and they join again); jobs in ``skip`` (already
-    released or revoked this cycle) are left alone.
+    released or revoked this cycle) are left alone. ``holders``: the jobs of the snapshot holding
+    allocations, when the caller knows them (only they are looked at; default: every job).
     """
     out: list[Release] = []
-    for name in sorted(snapshot.jobs):
-        view = snapshot.jobs[name]
-        if not view.spec.is_gang or not view.allocations or name in skip:
+    jobs = snapshot.jobs
+    for name in sorted(n for n in (jobs if holders is None else holders) if jobs[n].spec.is_gang):
+        view = jobs[name]
+        if not view.allocations or name in skip:
             continue
         why = gang_problem(view)
         if why is None:

@@ -44,6 +44,8 @@ COLOCATION_MAX_TIED = 16
 def place(ledger: Ledger, req: SliceRequest, avoid_nodes: Iterable[str] = ()) -> list[int] | None:
     """Choose GPUs for ``req``; returns ledger GPU indices (``min_count`` to ``count`` of them) or None."""
     count = req.count
+    if count > 1 and ledger.candidate_bound(req) < req.min_count:
+        return None  # every branch below needs min_count distinct candidates
     if req.per_node:
         return _per_node(ledger, req, avoid_nodes)
     if count == 1:

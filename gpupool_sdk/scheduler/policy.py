@@ -29,9 +29,11 @@ Every pending job gets exactly one Grant, Queue or Reject per cycle.
 
 from __future__ import annotations
 
+import heapq
 import math
+from bisect import bisect_left
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
 
 from gpupool_sdk.resources import DirectiveKind, JobSpec, JobState, QoS
 from gpupool_sdk.resources.units import format_size
@@ -61,7 +63,7 @@ from gpupool_sdk.scheduler.preempt import (
     VictimIndex,
     balloon_bound,
     balloon_reason,
-    balloon_targets,
+    balloon_target,
     kept_after_shrink,
     las_bound,
     las_standing,
@@ -105,7 +107,8 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
 
     ``memo`` (kept by a :class:`Scheduler` from cycle to cycle) reuses the GPU layout while the
     GPUs, cordons and drains are unchanged, each job's holdings while its view is the same
-    object, and the last cycle's ledger as it was built (before the cycle changed it): when few
+    object (its holdings also while a new view has the same allocations tuple, spec, memory
+    peaks and utilisation: one refreshed for its attained and remaining service), and the last cycle's ledger as it was built (before the cycle changed it): when few
     jobs' holdings changed, that ledger is brought up to date by un-reserving and reserving just
     those jobs, and the cycle works on a clone. The ledger is the same as without the memo.
     """
@@ -125,12 +128,19 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
         if not view.allocations:
             continue
         known = old.get(name)
-        if known is not None and known[0] is view:
-            held_by_job[name] = known
+        if known is not None and (known[0] is view or _same_holdings(known[0], view)):
             if name in old_below:
                 below.add(name)
             if name in old_short:
                 short.add(name)
+            if known[0] is view:
+                held_by_job[name] = known
+                continue
+            # A new view holding the same: its holdings are kept, but it is still un-reserved and
+            # reserved again below, as any changed job (the loads' float sums, and so decisions,
+            # stay exactly those of a ledger updated job by job for every new view).
+            held_by_job[name] = (view, known[1])
+            changed.append(name)
             continue
         spec = view.spec
         if spec.qos_class is QoS.SHARED and any(a.memory_bytes < spec.memory_bytes for a in view.allocations):
@@ -179,6 +189,19 @@ def build_ledger(snapshot: ClusterSnapshot, config: SchedulerConfig, memo: _Buil
     return base.clone()
 
 
+def _same_holdings(old: JobView, new: JobView) -> bool:
+    """True when ``new`` holds what ``old`` held, as the ledger counts it: the same allocations
+    tuple and spec, the same memory peaks (the predicted peak of a shared slice) and measured
+    utilisation (a view refreshed for its attained and remaining service only)."""
+    return (
+        old.allocations is new.allocations
+        and old.spec is new.spec
+        and old.memory_peak_bytes == new.memory_peak_bytes
+        and old.memory_peak_history == new.memory_peak_history
+        and old.gpu_util == new.gpu_util
+    )
+
+
 class _BuildMemo:
     """What one cycle's ledger shares with the next (a memo of pure functions of the snapshot)."""
 
@@ -218,6 +241,10 @@ class _BuildMemo:
             self.pool = summarize(snapshot.gpus.values())
             self.key = key
         return self.layout
+
+
+#: a pending job in line: its view, request, request shape and sort key (see ``Scheduler._line_up``).
+_Entry = tuple[JobView, SliceRequest, tuple[object, ...], tuple[object, ...]]
 
 
 @dataclass
@@ -301,12 +328,25 @@ class Scheduler:
         #: Queue decisions of the last cycle and of this one, by job (see :meth:`_queue_decision`).
         self._queued_last: dict[str, Queue] = {}
         self._queued_now: dict[str, Queue] = {}
+        #: per reason, the jobs :meth:`_queue_all` queued with it last cycle and this one, and the decisions.
+        self._bulk_last: dict[str, tuple[list[str], list[Queue]]] = {}
+        self._bulk_now: dict[str, tuple[list[str], list[Queue]]] = {}
+        #: the line of pending jobs kept from cycle to cycle (see :meth:`_line_up`): per job
+        #: (view, request, request shape, sort key); the keys sorted, and the names in that order;
+        #: the (GPU layout, config) it was built for.
+        self._line: dict[str, _Entry] = {}
+        self._line_keys: list[tuple[object, ...]] = []
+        self._line_names: list[str] = []
+        self._line_ctx: tuple[GpuLayout | None, SchedulerConfig] | None = None
         #: reservations of the last cycle and of this one, by job (``keep_reservations``; see
         #: :meth:`_kept_reservation`): (request shape, GPUs, their loads when chosen), while the
         #: GPU layout is the same.
         self._kept_last: dict[str, tuple[tuple[object, ...], tuple[int, ...], tuple[GpuLoad, ...]]] = {}
         self._kept_now: dict[str, tuple[tuple[object, ...], tuple[int, ...], tuple[GpuLoad, ...]]] = {}
         self._kept_layout: GpuLayout | None = None
+        #: per shared job holding allocations: (allocations, spec, peak, peak history, quota, balloon target).
+        self._btargets: dict[str, tuple[tuple[object, ...], JobSpec, int | None, tuple[int, ...], int, int]] = {}
+        self._btargets_config: SchedulerConfig | None = None
         #: per running job in the last victim index: (view, running priority, LAS standing).
         self._standings: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
 
@@ -318,6 +358,7 @@ class Scheduler:
         """Run one cycle; returns the decisions plus how many pending jobs were considered."""
         config = self.config
         self._queued_last, self._queued_now = self._queued_now, {}
+        self._bulk_last, self._bulk_now = self._bulk_now, {}
         ledger = build_ledger(snapshot, config, self._memo)
         cyc = _Cycle(snapshot, config, ledger)
         same_layout = self._kept_layout is ledger.layout
@@ -335,7 +376,7 @@ class Scheduler:
                 cyc.preempting[dec.job] = dec.for_job
 
         # Gangs that lost a member: release every node's part (no half-gang keeps a slice).
-        for rel in broken_gangs(snapshot, ledger, proto.freed):
+        for rel in broken_gangs(snapshot, ledger, proto.freed, self._memo.held):
             cyc.decisions.append(rel)
             cyc.busy.add(rel.job)
             proto.busy.discard(rel.job)
@@ -362,95 +403,49 @@ class Scheduler:
                 cyc.ballooning[name] = (target_int(d, "memory_bytes", view.spec.memory_bytes), freeing_for(view))
 
         # Pending jobs: the spec's PENDING jobs plus resized jobs re-placed at their target count.
-        pending: list[tuple[JobView, int | None]] = []
         requeued, busy, jobs = proto.requeued, cyc.busy, snapshot.jobs
         waiting = JobState.PENDING
-        # Only the pending names are sorted (not every job's).
-        for name in sorted(
-            n for n, v in jobs.items() if n in requeued or (v.state is waiting and not v.allocations and n not in busy)
-        ):
-            view = jobs[name]
-            if name in requeued:
-                target = requeued[name]
-                cap = slice_cap(view.spec, config.etcd_max_txn_ops)
-                pending.append((view, max(view.spec.min_gpus or 1, min(target, cap))))
-            else:
-                pending.append((view, None))
+        own = [
+            (n, v)
+            for n, v in jobs.items()
+            if v.state is waiting and not v.allocations and n not in busy and n not in requeued
+        ]
+        counts: dict[str, int] = {}
+        for name in requeued:
+            resized = jobs.get(name)
+            if resized is not None:
+                cap = slice_cap(resized.spec, config.etcd_max_txn_ops)
+                counts[name] = max(resized.spec.min_gpus or 1, min(requeued[name], cap))
 
         # A resize holds the room it grows into, from its directive to its re-placement.
         cyc.pinned = proto.pinned
         if snapshot.gpus:
-            self._hold_resizes(cyc, proto.busy, {v.name: c for v, c in pending if c is not None})
+            self._hold_resizes(cyc, proto.busy, counts)
 
         if not snapshot.gpus:
-            for view, _ in pending:
-                cyc.decisions.append(Queue(view.name, "queued: no GPUs published"))
+            for name in sorted([n for n, _ in own] + list(counts)):
+                cyc.decisions.append(Queue(name, "queued: no GPUs published"))
             return ScheduleResult(tuple(cyc.decisions), considered=0)
 
         layout = self._memo.layout_for(snapshot)
-        pool = self._memo.pool
-        reject_cache: dict[tuple[object, ...], str | None] = {}
-        live: list[tuple[JobView, SliceRequest]] = []
-        old_pend = self._pend if self._pend_layout is layout else {}
-        new_pend: dict[str, tuple[JobSpec, tuple[int | None, tuple[int, ...]], int, SliceRequest, str | None, bool]] = {}
-        max_ops = config.etcd_max_txn_ops
-        for view, count in pending:
-            spec = view.spec
-            name = view.name
-            if spec.is_gang:
-                gang_wait = gang_problem(view)
-                if gang_wait is not None:
-                    self._queue(cyc, view, f"queued: {gang_wait}")
-                    continue
-            hit = old_pend.get(name)
-            own = count is None
-            if (
-                own
-                and hit is not None
-                and hit[0] is spec
-                and hit[5]
-                and hit[1][0] == view.memory_peak_bytes
-                and hit[1][1] == view.memory_peak_history
-            ):
-                # Unchanged (the common case): everything as last cycle.
-                new_pend[name] = hit
-                if hit[4] is None:
-                    live.append((view, hit[3]))
-                else:
-                    cyc.decisions.append(Reject(name, f"impossible: {hit[4]}"))
-                continue
-            if hit is not None and hit[0] is spec and own and hit[5]:
-                count = hit[2]  # the spec's own count: a function of the spec
-            elif count is None:
-                count = min(spec.gpus, slice_cap(spec, max_ops))
-            peaks = (view.memory_peak_bytes, view.memory_peak_history)
-            if hit is not None and hit[0] is spec and hit[1] == peaks and hit[2] == count:
-                req, why = hit[3], hit[4]
-            else:
-                req = request_for(view, config, count)
-                key = req.shape
-                if key not in reject_cache:
-                    reject_cache[key] = reject_reason(req, pool, config.overcommit_ratio)
-                why = reject_cache[key] or txn_limit_reason(spec, max_ops)
-            if not spec.is_gang:  # a gang's request depends on its members too
-                new_pend[name] = (spec, peaks, count, req, why, own)
-            if why is not None:
-                cyc.decisions.append(Reject(name, f"impossible: {why}"))
-            else:
-                live.append((view, req))
-        self._pend, self._pend_layout = new_pend, layout
+        if self._pend_layout is not layout:
+            self._pend, self._pend_layout = {}, layout
+        if time_dependent_order(config):
+            names, entries = self._line_up_plain(cyc, own, counts, now)
+        else:
+            names, entries = self._line_up(cyc, own, counts, now)
 
-        ordered = self._order(live, now)
         considered = 0
         max_decisions = config.max_decisions
-        limit = config.max_considered or len(ordered)
-        rest: list[tuple[object, JobView, SliceRequest]] = []
-        for i, (_key, view, req) in enumerate(ordered):
-            if cyc.actions >= max_decisions or considered >= limit:
-                rest = ordered[i:]
-                break
+        total = len(names)
+        limit = config.max_considered or total
+        i = 0
+        while i < total and cyc.actions < max_decisions and considered < limit:
+            entry = entries[names[i]]
             considered += 1
-            self._consider(cyc, view, req)
+            i += 1
+            self._consider(cyc, entry[0], entry[1])
+        rest = names[i:] if i < total else []
         if rest and cyc.actions < max_decisions:
             # Behind the first ``max_considered``: placed where they fit now (backfill: no wait,
             # balloon, shrink, preemption or reservation is planned for them), else queued.
@@ -459,22 +454,21 @@ class Scheduler:
             blocked = ledger.blocked_jobs
             #: shapes that failed here, with ``ledger.frees`` then: the same shape fails again until a free.
             failed: dict[tuple[object, ...], int] = {}
-            unplaced: list[tuple[object, JobView, SliceRequest]] = []
-            for i, (okey, view, req) in enumerate(rest):
+            unplaced: list[str] = []
+            for j, name in enumerate(rest):
                 if cyc.actions >= max_decisions:
-                    rest = rest[i:]
+                    rest = rest[j:]
                     break
-                name = view.spec.name
+                view, req, shape, _key = entries[name]
                 generic = name not in blocked and name not in pinned
-                shape = req.shape
                 if generic and failed.get(shape) == ledger.frees:
-                    unplaced.append((okey, view, req))
+                    unplaced.append(name)
                     continue
                 gpus = self._place(cyc, view, req, fail_cache.get(shape) if generic else None)
                 if gpus is None:
                     if generic:
                         failed[shape] = ledger.frees
-                    unplaced.append((okey, view, req))
+                    unplaced.append(name)
                 else:
                     self._grant(cyc, view, req, gpus)
             else:
@@ -536,11 +530,14 @@ class Scheduler:
                 try_balloon = try_preempt = False
             if try_balloon or try_preempt:
                 cyc.attempts += 1
-            if try_balloon and self._try_balloon(cyc, view, req, prio):
+            # A one-slice request that was not placed above: no GPU takes a slice of it now (the
+            # ledger is as it was then: a plan tried since was undone), as the searches may assume.
+            none_fit = req.count == 1 and not req.per_node
+            if try_balloon and self._try_balloon(cyc, view, req, prio, none_fit):
                 return
             if try_balloon:
                 cyc.no_balloon[shape] = _failed(cyc.no_balloon.get(shape), ledger.frees, prio)
-            if try_preempt and self._try_preempt(cyc, view, req, prio, las):
+            if try_preempt and self._try_preempt(cyc, view, req, prio, las, none_fit):
                 return
             if try_preempt:
                 cyc.no_preempt[pkey] = _failed(cyc.no_preempt.get(pkey), ledger.frees, prio)
@@ -573,19 +570,25 @@ class Scheduler:
         this cycle's failure for its shape, if any (it answers while nothing was freed since)."""
         ledger = cyc.ledger
         gpus: list[int] | None = None
-        if view.name in cyc.pinned:
-            gpus = self._pinned(cyc, req, cyc.pinned[view.name])
+        name = req.job
+        pinned = cyc.pinned
+        if pinned and name in pinned:
+            gpus = self._pinned(cyc, req, pinned[name])
         if gpus is None and (cached is None or cached[0] != ledger.frees):
             # A request at least as large as one that failed since the last free fails too (loads
             # only grow while a cycle considers pending jobs); not for a job GPUs are held for.
-            generic = view.name not in ledger.blocked_jobs and view.name not in cyc.pinned and not req.per_node
+            generic = name not in ledger.blocked_jobs and name not in pinned and not req.per_node
             nkey = _no_place_key(req) if generic else None
             failed = cyc.no_place.get(nkey) if nkey is not None else None
             frees = ledger.frees
             memory, compute, peak, count = req.memory, req.compute, req.peak, req.min_count
-            if not failed or not any(
-                f == frees and m <= memory and c <= compute and p <= peak and n <= count for f, m, c, p, n in failed
-            ):
+            dominated = False
+            if failed:
+                for f, m, c, p, n in failed:
+                    if f == frees and m <= memory and c <= compute and p <= peak and n <= count:
+                        dominated = True
+                        break
+            if not dominated:
                 gpus = place(ledger, req)
                 if gpus is None and nkey is not None:
                     # Keep only the smallest failures (an antichain): one that asks at least as
@@ -599,36 +602,146 @@ class Scheduler:
                     cyc.no_place[nkey] = entries
         return gpus
 
-    def _order(
-        self, live: list[tuple[JobView, SliceRequest]], now: float
-    ) -> list[tuple[object, JobView, SliceRequest]]:
-        """``live`` (pending jobs with their requests) as ``(key, view, request)`` in the order of :func:`order_pending`, with
-        each pending job's key kept from cycle to cycle while the order does not move with time and
-        the job's spec, attained and remaining service are unchanged."""
+    def _request(
+        self, cyc: _Cycle, view: JobView, count: int | None, reject_cache: dict[tuple[object, ...], str | None]
+    ) -> SliceRequest | None:
+        """The request of pending ``view`` (``count``: a resized job's target, None: the spec's own
+        count), or None after appending its ``Queue`` (a gang still forming) or ``Reject``.
+
+        What depends only on the spec, the job's memory peaks and the GPU layout is kept in
+        ``self._pend`` (a memo of pure functions: reused while the spec is the same object and the
+        peaks and count are unchanged; the caller clears it when the layout changes)."""
         config = self.config
-        if time_dependent_order(config):
-            self._keys = {}
-            reqs = {v.name: r for v, r in live}
-            return [(None, v, reqs[v.name]) for v in order_pending((v for v, _ in live), now, config)]
-        old = self._keys
-        new: dict[str, tuple[JobSpec, float, float | None, int, tuple[object, ...]]] = {}
-        keyed: list[tuple[object, JobView, SliceRequest]] = []
-        for v, r in live:
-            if v.allocations:  # a resized job re-placed: its rank uses the compute it holds
-                keyed.append((sort_key(v, now, config), v, r))
+        spec = view.spec
+        name = view.name
+        if spec.is_gang:
+            gang_wait = gang_problem(view)
+            if gang_wait is not None:
+                self._queue(cyc, view, f"queued: {gang_wait}")
+                return None
+        pend = self._pend
+        hit = pend.get(name)
+        own = count is None
+        max_ops = config.etcd_max_txn_ops
+        if hit is not None and hit[0] is spec and own and hit[5]:
+            count = hit[2]  # the spec's own count: a function of the spec
+        elif count is None:
+            count = min(spec.gpus, slice_cap(spec, max_ops))
+        peaks = (view.memory_peak_bytes, view.memory_peak_history)
+        if hit is not None and hit[0] is spec and hit[1] == peaks and hit[2] == count:
+            req, why = hit[3], hit[4]
+        else:
+            req = request_for(view, config, count)
+            key = req.shape
+            if key not in reject_cache:
+                reject_cache[key] = reject_reason(req, self._memo.pool, config.overcommit_ratio)
+            why = reject_cache[key] or txn_limit_reason(spec, max_ops)
+        if not spec.is_gang:  # a gang's request depends on its members too
+            pend[name] = (spec, peaks, count, req, why, own)
+        if why is not None:
+            cyc.decisions.append(Reject(name, f"impossible: {why}"))
+            return None
+        return req
+
+    def _prune_memos(self, jobs: Mapping[str, JobView]) -> None:
+        """Drop the per-job memos of jobs no longer in the snapshot (they are pure functions of a
+        job's view: an entry of a job still there is never wrong, only possibly unused)."""
+        if len(self._pend) > 2 * len(jobs) + 256:
+            self._pend = {n: e for n, e in self._pend.items() if n in jobs}
+        if len(self._keys) > 2 * len(jobs) + 256:
+            self._keys = {n: e for n, e in self._keys.items() if n in jobs}
+
+    def _line_up_plain(
+        self, cyc: _Cycle, own: list[tuple[str, JobView]], counts: dict[str, int], now: float
+    ) -> tuple[list[str], dict[str, _Entry]]:
+        """The pending jobs in the order of :func:`order_pending`, computed afresh (for a pending
+        order that moves with time: aging, ``max_wait_s``, LAS promotion), and per job its view,
+        request and request shape; Queue / Reject decisions of jobs that cannot be placed are
+        appended in name order."""
+        jobs = cyc.snapshot.jobs
+        self._line, self._line_keys, self._line_names, self._line_ctx = {}, [], [], None
+        self._prune_memos(jobs)
+        reject_cache: dict[tuple[object, ...], str | None] = {}
+        live: dict[str, _Entry] = {}
+        for name in sorted([n for n, _ in own] + list(counts)):
+            view = jobs[name]
+            req = self._request(cyc, view, counts.get(name), reject_cache)
+            if req is not None:
+                live[name] = (view, req, req.shape, ())
+        ordered = order_pending((e[0] for e in live.values()), now, self.config)
+        return [v.name for v in ordered], live
+
+    def _line_up(
+        self, cyc: _Cycle, own: list[tuple[str, JobView]], counts: dict[str, int], now: float
+    ) -> tuple[list[str], dict[str, _Entry]]:
+        """What :meth:`_line_up_plain` returns, for a pending order that does not move with time,
+        kept from cycle to cycle: the line of pending jobs (sorted by :func:`sort_key`) holds each
+        job with its spec's own count, no allocations and no gang; a job whose view is the same
+        object as when it joined stays where it is with its request, and only the others (new,
+        changed, gone) are looked at. The same view, layout and config give the same request
+        (the memo of :meth:`_request`) and the same sort key (the key depends on the view alone
+        when the order does not move with time), so the line is the one a fresh sort would give.
+        ``tests/scheduler/test_incremental_line.py`` compares it with a fresh scheduler."""
+        jobs = cyc.snapshot.jobs
+        ctx = (self._pend_layout, self.config)
+        if self._line_ctx is None or self._line_ctx[0] is not ctx[0] or self._line_ctx[1] is not ctx[1]:
+            self._line, self._line_keys, self._line_names, self._line_ctx = {}, [], [], ctx
+        line, keys, names = self._line, self._line_keys, self._line_names
+        slow: list[str] = []
+        line_get = line.get
+        for name, view in own:
+            entry = line_get(name)
+            if entry is None or entry[0] is not view:
+                slow.append(name)
+        gone = line.keys() - {n for n, _ in own}
+        if slow or gone or counts:
+            self._prune_memos(jobs)
+            for name in [*gone, *slow, *counts]:
+                entry = line.pop(name, None)
+                if entry is not None:
+                    k = bisect_left(keys, entry[3])
+                    del keys[k]
+                    del names[k]
+        if not slow and not counts:
+            return names, line
+        reject_cache: dict[tuple[object, ...], str | None] = {}
+        extra: list[tuple[tuple[object, ...], str]] = []
+        extra_entries: dict[str, _Entry] = {}
+        for name in sorted([*slow, *counts]):
+            view = jobs[name]
+            count = counts.get(name)
+            req = self._request(cyc, view, count, reject_cache)
+            if req is None:
                 continue
-            spec, attained, remaining, order = v.spec, v.attained_gpu_s, v.remaining_s, v.order
-            hit = old.get(spec.name)
-            if hit is not None and hit[0] is spec and hit[1] == attained and hit[2] == remaining and hit[3] == order:
-                new[spec.name] = hit
-                keyed.append((hit[4], v, r))
-            else:
-                key = sort_key(v, now, config)
-                new[spec.name] = (spec, attained, remaining, order, key)
-                keyed.append((key, v, r))
-        self._keys = new
-        keyed.sort(key=itemgetter(0))
-        return keyed
+            key = self._sort_key(view, now)
+            if count is None and not view.spec.is_gang:
+                line[name] = (view, req, req.shape, key)
+                k = bisect_left(keys, key)
+                keys.insert(k, key)
+                names.insert(k, name)
+            else:  # a resized job re-placed at its target, or a gang: looked at every cycle
+                extra.append((key, name))
+                extra_entries[name] = (view, req, req.shape, key)
+        if not extra:
+            return names, line
+        extra.sort()
+        merged = [n for _k, n in heapq.merge(zip(keys, names, strict=True), extra)]
+        return merged, {**line, **extra_entries}
+
+    def _sort_key(self, view: JobView, now: float) -> tuple[object, ...]:
+        """:func:`sort_key` of ``view``, kept per job while the order does not move with time and
+        its spec, attained and remaining service and order are unchanged (a job holding
+        allocations, a resized job re-placed, is ranked by the compute it holds: not kept)."""
+        config = self.config
+        if view.allocations:
+            return sort_key(view, now, config)
+        spec, attained, remaining, order = view.spec, view.attained_gpu_s, view.remaining_s, view.order
+        hit = self._keys.get(spec.name)
+        if hit is not None and hit[0] is spec and hit[1] == attained and hit[2] == remaining and hit[3] == order:
+            return hit[4]
+        key = sort_key(view, now, config)
+        self._keys[spec.name] = (spec, attained, remaining, order, key)
+        return key
 
     def _pinned(self, cyc: _Cycle, req: SliceRequest, keep: list[int]) -> list[int] | None:
         """The GPUs a shrunk job kept, when each still takes a slice of ``req`` (else None: it is
@@ -667,14 +780,50 @@ class Scheduler:
         shr = {n: cyc.shrinking[n][0] for n in names if n in cyc.shrinking}
         return plan_from_freeing(cyc.ledger, req, pre, bal, shr)
 
-    def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float) -> bool:
+    def _balloon_targets(self, cyc: _Cycle) -> dict[str, int]:
+        """:func:`balloon_targets` of the jobs holding allocations (any priority, none busy), each
+        job's quota and target kept from cycle to cycle while its allocations tuple and spec are
+        the same objects and its memory peaks are unchanged (what they are a function of)."""
+        config = cyc.config
+        if self._btargets_config is not config:
+            self._btargets, self._btargets_config = {}, config
+        memo = self._btargets
+        busy = cyc.busy
+        out: dict[str, int] = {}
+        for v, _held in self._memo.held.values():
+            spec = v.spec
+            if spec.qos != QoS.SHARED or v.state is not JobState.GRANTED or v.directive is not None:
+                continue
+            name = spec.name
+            allocs = v.allocations
+            if name in busy or not allocs:
+                continue
+            hit = memo.get(name)
+            if (
+                hit is None
+                or hit[0] is not allocs
+                or hit[1] is not spec
+                or hit[2] != v.memory_peak_bytes
+                or hit[3] != v.memory_peak_history
+            ):
+                quota = max(a.memory_bytes for a in allocs)
+                hit = memo[name] = (allocs, spec, v.memory_peak_bytes, v.memory_peak_history, quota,
+                                    balloon_target(v, quota, config))
+            if hit[5] < hit[4]:
+                out[name] = hit[5]
+        if len(memo) > 2 * len(self._memo.held) + 256:
+            held = self._memo.held
+            self._btargets = {n: e for n, e in memo.items() if n in held}
+        return out
+
+    def _try_balloon(self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float, none_fit: bool = False) -> bool:
         jobs = cyc.snapshot.jobs
         if cyc.balloonable is None:
             # Only jobs holding allocations can be ballooned (not the whole queue, every cycle).
-            targets = balloon_targets((v for v, _ in self._memo.held.values()), float("inf"), cyc.config, cyc.busy)
+            targets = self._balloon_targets(cyc)
             pool = sorted((jobs[n].spec.priority, n) for n in targets)
             cyc.balloonable = VictimIndex(cyc.ledger, [(n, float(p)) for p, n in pool], targets)
-        if not cyc.balloonable or cyc.balloonable.hopeless(req, balloon_bound(prio)):
+        if not cyc.balloonable or cyc.balloonable.hopeless(req, balloon_bound(prio), None, none_fit):
             return False
         groups = cyc.balloonable.groups(req, balloon_bound(prio), cyc.busy)
         assert cyc.balloonable.targets is not None
@@ -702,7 +851,13 @@ class Scheduler:
         return True
 
     def _try_preempt(
-        self, cyc: _Cycle, view: JobView, req: SliceRequest, prio: float, las: tuple[int, int] | None
+        self,
+        cyc: _Cycle,
+        view: JobView,
+        req: SliceRequest,
+        prio: float,
+        las: tuple[int, int] | None,
+        none_fit: bool = False,
     ) -> bool:
         now = cyc.snapshot.now
         config = cyc.config
@@ -726,7 +881,7 @@ class Scheduler:
                 ranked.append((v.name, hit[1]))
             self._standings = new
             cyc.victims = VictimIndex(cyc.ledger, ranked, None, standing)
-        if not cyc.victims or cyc.victims.hopeless(req, preempt_bound(prio), las):
+        if not cyc.victims or cyc.victims.hopeless(req, preempt_bound(prio), las, none_fit):
             return False  # also answers the shrink search: a shrink frees less than a preemption
         shrink = self._shrink_plan(cyc, req, prio, las) if config.shrink_elastic else None
         groups = cyc.victims.groups(req, preempt_bound(prio), cyc.busy, las)
@@ -869,14 +1024,28 @@ class Scheduler:
         cyc.decisions.append(self._queue_decision(view.name, reason))
         cyc.queued += 1
 
-    def _queue_all(self, cyc: _Cycle, rest: list[tuple[object, JobView, SliceRequest]], reason: str) -> None:
-        """Queue every job of ``rest`` with one ``reason``, as jobs not considered in full: they
+    def _queue_all(self, cyc: _Cycle, names: list[str], reason: str) -> None:
+        """Queue every job of ``names`` with one ``reason``, as jobs not considered in full: they
         might have used free capacity or made a plan, so nothing grows this cycle (``deferred``).
         One reason for all, so that each job's Queue decision stays the same object from cycle to
-        cycle while it stays behind."""
-        cyc.decisions.extend(self._queue_decision(view.spec.name, reason) for _key, view, _req in rest)
-        cyc.queued += len(rest)
-        cyc.deferred += len(rest)
+        cycle while it stays behind (and when the same jobs are queued for the same reason as
+        last cycle, last cycle's decisions are reused whole)."""
+        last = self._bulk_last.get(reason)
+        if last is not None and last[0] == names:
+            queues = last[1]
+        else:
+            before = self._queued_last
+            queues = []
+            for name in names:
+                q = before.get(name)
+                if q is None or q.reason != reason:
+                    q = Queue(name, reason)
+                queues.append(q)
+        self._bulk_now[reason] = (names, queues)
+        self._queued_now.update(zip(names, queues, strict=True))
+        cyc.decisions.extend(queues)
+        cyc.queued += len(names)
+        cyc.deferred += len(names)
 
     def _queue_decision(self, name: str, reason: str) -> Queue:
         """``Queue(name, reason)``; the last cycle's decision when it is equal (decisions are

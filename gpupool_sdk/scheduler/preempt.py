@@ -508,7 +508,9 @@ class VictimIndex:
             if fits(load, req, ledger.ratio):
                 yield names
 
-    def hopeless(self, req: SliceRequest, top_priority: float, las: tuple[int, int] | None = None) -> bool:
+    def hopeless(
+        self, req: SliceRequest, top_priority: float, las: tuple[int, int] | None = None, none_fit: bool = False
+    ) -> bool:
         """True when no plan over these candidates can place ``req``, whatever the groups.
 
         A plan frees at most what all candidates together free, so when fewer than
@@ -522,6 +524,10 @@ class VictimIndex:
         for jobs that hold reservations, and when a balloon target exceeds a quota (the change
         would not only free). A job restricted to some nodes (``req.nodes``) counts only their
         GPUs, and its failures are remembered apart from other nodes'.
+
+        ``none_fit``: the caller knows that no GPU takes a slice of ``req`` now (a one-slice
+        request whose placement just failed in this cycle's ledger): the GPUs outside the
+        candidates' are then not scanned for one.
         """
         ledger = self.ledger
         if req.anti_affinity is not None or req.job in ledger.blocked_jobs:
@@ -557,13 +563,14 @@ class VictimIndex:
                 found += 1
                 if found >= need:
                     return False
-        for gpu in ledger.candidates(req):
-            if gpu not in walk:
-                found += 1
-                if found >= need:
-                    return False
-        entry = (req.memory, req.compute, req.peak, req.min_count)
-        kept = [e for e in front or () if not all(a >= b for a, b in zip(e, entry, strict=True))]
+        if not none_fit:
+            for gpu in ledger.candidates(req):
+                if gpu not in walk:
+                    found += 1
+                    if found >= need:
+                        return False
+        m, c, p, n = entry = (req.memory, req.compute, req.peak, req.min_count)
+        kept = [e for e in front or () if not (e[0] >= m and e[1] >= c and e[2] >= p and e[3] >= n)]
         self._hopeless[key] = [*kept, entry]
         return True
 

@@ -593,6 +593,8 @@ class Simulator:
     def apply(self, decisions: Sequence[Decision]) -> None:
         """Apply a policy's decisions to the model, in order (see the module docstring)."""
         for d in decisions:
+            if d.__class__ is Queue:
+                continue  # most decisions of a congested cycle: nothing to apply
             if isinstance(d, Grant):
                 self._grant(d)
             elif isinstance(d, Preempt):

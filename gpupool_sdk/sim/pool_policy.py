@@ -394,6 +394,26 @@ class PoolPolicy:
             gpu_util=self._measured_util(job, now),
         )
 
+    def _refreshed(self, job: SimJob, old: JobView) -> JobView:
+        """``_view(job)`` for a running job whose view ``old`` was built after its last change
+        (every change of a job goes through ``_on_change``, which rebuilds its view): only the
+        service attained, the remaining time and the measured utilisation move with the clock;
+        the rest is ``old``'s, its allocations tuple included, so the scheduler's ledger keeps the
+        job's holdings (``tests/sim/test_engine.py`` checks it equals a rebuilt view)."""
+        now = self.sim.now
+        attained = (
+            job.attained_gpu_s + (now - job.last) * sum(job.shares) if job.state == RUNNING else job.attained_gpu_s
+        )
+        # ``dataclasses.replace`` re-runs the constructor over every field (10x the cost of this
+        # copy of the frozen view's fields, on the hottest path of a congested run).
+        new = object.__new__(JobView)
+        fields = new.__dict__
+        fields.update(old.__dict__)
+        fields["attained_gpu_s"] = attained
+        fields["remaining_s"] = self._estimates.remaining_s(job, now)
+        fields["gpu_util"] = self._measured_util(job, now)
+        return new
+
     def _measured_util(self, job: SimJob, now: float) -> float | None:
         # The utilisation a job's telemetry reports (its workload profile's): only once it has run
         # as long as a remaining-time estimate needs (``after_s``), never before it started.
@@ -415,7 +435,7 @@ class PoolPolicy:
             for name, job in sim.running.items():
                 if self._built_at.get(name, now) < stale:
                     old = self._views[name]
-                    self._views[name] = self._view(job)
+                    self._views[name] = self._refreshed(job, old)
                     self._built_at[name] = now
                     self._granted_views[name] = self._views[name]
                     if las_queue(old, self.config) != las_queue(self._views[name], self.config):

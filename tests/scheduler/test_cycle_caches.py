@@ -12,7 +12,9 @@ snapshots (fixed seeds):
   unchanged running job's timed rules for ``valid_until`` from its previous cycle (the horizon
   is compared too);
 * a placement that failed answers any later request of the cycle with the same constraints
-  asking at least as much (``policy._no_place_key``), until capacity is freed.
+  asking at least as much (``policy._no_place_key``), until capacity is freed;
+* a one-slice request that was not placed tells ``hopeless`` that no GPU takes a slice of it
+  (``none_fit``: the scan for one is skipped); checked here against the ledger at each call.
 
 The reference runs a fresh scheduler per snapshot with the first two and the last replaced by
 the plain searches.
@@ -180,7 +182,7 @@ def _plain_options(
 
 def _reference(snap: ClusterSnapshot, cfg: SchedulerConfig) -> ScheduleResult:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(VictimIndex, "hopeless", lambda self, req, top, las=None: False)
+        mp.setattr(VictimIndex, "hopeless", lambda self, req, top, las=None, none_fit=False: False)
         mp.setattr(VictimIndex, "_options", _plain_options)
         mp.setattr(policy_mod, "_no_place_key", lambda req: None)  # every placement tried
         PLACES["who"] = "reference"
@@ -195,12 +197,17 @@ PLACES: dict[str, Any] = {"fast": 0, "reference": 0, "other": 0, "who": "other"}
 
 
 def test_cycle_caches_decide_like_the_plain_searches(monkeypatch: pytest.MonkeyPatch) -> None:
-    shortcut = {"calls": 0, "true": 0, "hits": 0}
+    shortcut = {"calls": 0, "true": 0, "hits": 0, "none_fit": 0}
     real = preempt_mod.VictimIndex.hopeless
 
-    def counting(self: VictimIndex, req: Any, top: float, las: tuple[int, int] | None = None) -> bool:
+    def counting(
+        self: VictimIndex, req: Any, top: float, las: tuple[int, int] | None = None, none_fit: bool = False
+    ) -> bool:
+        if none_fit:  # the scheduler's claim: no GPU takes a slice of the request now
+            assert next(iter(self.ledger.candidates(req)), None) is None, req
+            shortcut["none_fit"] += 1
         before = self.hopeless_hits
-        out = real(self, req, top, las)
+        out = real(self, req, top, las, none_fit)
         shortcut["calls"] += 1
         shortcut["true"] += out
         shortcut["hits"] += self.hopeless_hits - before
@@ -237,6 +244,7 @@ def test_cycle_caches_decide_like_the_plain_searches(monkeypatch: pytest.MonkeyP
     assert kinds.get("shrink", 0) > 20, kinds
     assert shortcut["true"] > 100 and shortcut["hits"] > 20, shortcut
     assert shortcut["true"] < shortcut["calls"], shortcut
+    assert shortcut["none_fit"] > 100, shortcut
     assert PLACES["fast"] < PLACES["reference"], PLACES  # 9,856 vs 10,731 when written
 
 
@@ -292,3 +300,27 @@ def test_ledger_kept_between_cycles_is_a_fresh_build() -> None:
             assert got.valid_until == want.valid_until, f"seed {seed}, cycle {i}"
             snap = _advance(snap, list(got.decisions), rng, i)
     assert incremental > 100, incremental  # the kept ledger was brought up to date, not rebuilt
+
+
+def test_candidate_bound_never_undercounts_and_place_decides_the_same() -> None:
+    """``Ledger.candidate_bound`` is at least the number of GPUs ``candidates`` yields, so the
+    early "fewer than min_count" answer of ``place`` is the one the full search gives."""
+    from gpupool_sdk.scheduler.filter import request_for
+    from gpupool_sdk.scheduler.placement import place
+
+    cut = 0
+    for seed in range(60):
+        snap, cfg = congested(seed)
+        ledger = policy_mod.build_ledger(snap, cfg)
+        rng = random.Random(seed)
+        for view in snap.jobs.values():
+            count = rng.choice([1, 2, 3, 4, 6, 8, view.spec.gpus])
+            req = request_for(view, cfg, count)
+            bound = ledger.candidate_bound(req)
+            assert bound >= len(list(ledger.candidates(req))), (seed, req)
+            fast = place(ledger, req)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(type(ledger), "candidate_bound", lambda self, r: 1 << 30)
+                assert place(ledger, req) == fast, (seed, req)
+            cut += count > 1 and bound < req.min_count
+    assert cut > 50, cut  # the early answer was exercised

@@ -27,6 +27,7 @@ def req(qos: str = "guaranteed", mem: int = 10, compute: float = 0.5, count: int
 
 
 def index_state(ledger: Ledger) -> tuple[object, ...]:
+    ledger._flush()  # the indexes are brought up to date lazily, at their next read
     classes = ledger._classes.values()
     return tuple(
         (list(c.empty), [list(b) for b in c.part_g], list(c.part_s)) for c in classes
