@@ -429,25 +429,26 @@ class Ledger:
         if self._dirty:
             self._flush()
         classes = self.matching_classes(req.features, req.gpu_model)
-        if req.qos is QoS.EXCLUSIVE:
-            partial_lists: list[list[tuple[float, int]]] = []
-            need_part = 0.0
-            need_empty = float(req.memory)
-        elif req.qos is QoS.GUARANTEED:
-            wanted = _buckets_for(req.compute)
-            partial_lists = [c.part_g[b] for c in classes for b in wanted]
-            need_part = float(req.memory)
-            need_empty = float(req.memory)
-        else:
-            partial_lists = [c.part_s for c in classes]
-            need_part = float(req.peak)
-            need_empty = max(req.memory / self.ratio, float(req.peak))
+        partial_lists, need_part, need_empty = self._index_lists(classes, req)
         n = 0
         for lst in partial_lists:
             n += len(lst) - bisect.bisect_left(lst, (need_part, -1))
         for c in classes:
             n += len(c.empty) - bisect.bisect_left(c.empty, (need_empty, -1))
         return n
+
+    def _index_lists(
+        self, classes: list[_ClassIndex], req: SliceRequest
+    ) -> tuple[list[list[tuple[float, int]]], float, float]:
+        """The partly-used index lists ``req`` may take a GPU from, and the key each list (and the
+        idle lists) must reach: exclusive jobs take idle GPUs only; guaranteed ones a compute bucket
+        that fits; shared ones the shared list, by quota headroom."""
+        if req.qos is QoS.EXCLUSIVE:
+            return [], 0.0, float(req.memory)
+        if req.qos is QoS.GUARANTEED:
+            wanted = _buckets_for(req.compute)
+            return [c.part_g[b] for c in classes for b in wanted], float(req.memory), float(req.memory)
+        return [c.part_s for c in classes], float(req.peak), max(req.memory / self.ratio, float(req.peak))
 
     def candidates(
         self, req: SliceRequest, avoid_nodes: Iterable[str] = (), min_island: int = 0, idle_first: bool = False
@@ -478,19 +479,7 @@ class Ledger:
         nodes = self.nodes
         ratio = self.ratio
         job = req.job
-        if req.qos is QoS.EXCLUSIVE:
-            partial_lists: list[list[tuple[float, int]]] = []
-            need_part = 0.0
-            need_empty = float(req.memory)
-        elif req.qos is QoS.GUARANTEED:
-            wanted = _buckets_for(req.compute)
-            partial_lists = [c.part_g[b] for c in classes for b in wanted]
-            need_part = float(req.memory)
-            need_empty = float(req.memory)
-        else:
-            partial_lists = [c.part_s for c in classes]
-            need_part = float(req.peak)
-            need_empty = max(req.memory / ratio, float(req.peak))
+        partial_lists, need_part, need_empty = self._index_lists(classes, req)
         streams = [_merged(partial_lists, need_part), _merged([c.empty for c in classes], need_empty)]
         if idle_first:
             streams.reverse()
