@@ -15,6 +15,7 @@ from typing import Any
 
 from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.resources.units import format_size
+from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.scheduler.filter import matches_static, request_for, unschedulable_reason
 from gpupool_sdk.scheduler.placement import place
 from gpupool_sdk.scheduler.policy import build_ledger
@@ -76,7 +77,7 @@ def query_placement(snapshot: ClusterSnapshot, spec: JobSpec, config: SchedulerC
     Args:
         snapshot: the pool now (``coordinator.snapshot.build_state(...).snapshot``).
         spec: the shape (name unused; ``node`` restricts the question to that node).
-        config: the scheduler settings (overcommit ratio, ...).
+        config: the scheduler settings (overcommit ratio, ...); None: ``DEFAULT_SCHEDULER``.
 
     Example:
         >>> from gpupool_sdk.resources import GiB, GpuInfo
@@ -85,7 +86,7 @@ def query_placement(snapshot: ClusterSnapshot, spec: JobSpec, config: SchedulerC
         >>> query_placement(ClusterSnapshot(now=0.0, gpus=g, jobs={}), JobSpec(name="q", memory="40GiB")).chosen
         ('n0',)
     """
-    config = config or SchedulerConfig()
+    config = config or DEFAULT_SCHEDULER
     per = spec.gpus_per_node
     want = spec.nodes
     # The question is asked per node: one node's part, as a one-node job pinned there.

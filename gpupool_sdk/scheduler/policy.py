@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from gpupool_sdk.resources import DirectiveKind, JobSpec, JobState, QoS
 from gpupool_sdk.resources.units import format_size
+from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.scheduler.filter import (
     GpuLoad,
     SliceRequest,
@@ -297,7 +298,7 @@ class Scheduler:
     """The pure scheduling policy shared by the coordinator, the simulator and the benchmarks.
 
     Args:
-        config: operator knobs (validated by :class:`SchedulerConfig`).
+        config: operator knobs (validated by :class:`SchedulerConfig`); None: ``DEFAULT_SCHEDULER``, the defaults `gpupool coordinator` runs.
 
     Example:
         >>> from gpupool_sdk.resources import GpuInfo, JobSpec, GiB
@@ -310,7 +311,7 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
-        self.config = config or SchedulerConfig()
+        self.config = config or DEFAULT_SCHEDULER  # what `gpupool coordinator` runs
         self._memo = _BuildMemo()
         #: per pending job, what depends only on its view and the GPU layout (a memo of pure functions,
         #: reused while the job's spec is the same object and its peak and count are unchanged):

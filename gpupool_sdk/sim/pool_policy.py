@@ -49,6 +49,7 @@ from gpupool_sdk.resources import (
     JobState,
     QoS,
 )
+from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.scheduler.ordering import las_queue, order_pending, static_key
 from gpupool_sdk.scheduler.policy import Scheduler
 from gpupool_sdk.scheduler.types import ClusterSnapshot, Decision, JobView, SchedulerConfig
@@ -194,7 +195,7 @@ class PoolPolicy:
     """Runs :class:`gpupool_sdk.scheduler.policy.Scheduler` inside the simulator.
 
     Args:
-        config: the scheduler's knobs (the same object the coordinator takes).
+        config: the scheduler's knobs (the same object the coordinator takes); None: ``DEFAULT_SCHEDULER``.
         mapping: trace-to-spec mapping.
         max_pending_in_snapshot: speed knob for big congested runs: put only the first N pending
             jobs in the scheduler's own order (priority, LAS queue, FIFO) into each snapshot, plus
@@ -226,7 +227,7 @@ class PoolPolicy:
     ) -> None:
         if max_pending_in_snapshot is not None and max_pending_in_snapshot < 1:
             raise ConfigError("max_pending_in_snapshot", f"must be >= 1 or None, got {max_pending_in_snapshot}")
-        self.config = config or SchedulerConfig()
+        self.config = config or DEFAULT_SCHEDULER  # the coordinator's defaults
         self.max_pending = max_pending_in_snapshot
         # The scheduler's pending order is static (priority, LAS queue, FIFO) when aging and the
         # starvation bypass are off; then it can be kept incrementally here.

@@ -30,6 +30,16 @@ def test_defaults_are_the_measured_policy_and_the_simulators() -> None:
     assert cfg.source == "defaults" and cfg.overridden == ()
 
 
+def test_the_library_defaults_are_the_deployments() -> None:
+    """A scheduler or simulator policy built without a config runs the defaults (not SchedulerConfig())."""
+    from gpupool_sdk.scheduler.policy import Scheduler
+    from gpupool_sdk.sim.pool_policy import PoolPolicy
+
+    assert Scheduler().config is DEFAULT_SCHEDULER
+    assert PoolPolicy().config is DEFAULT_SCHEDULER
+    assert SchedulerConfig() != DEFAULT_SCHEDULER  # the neutral config is not what a deployment runs
+
+
 def test_file_then_flags(tmp_path: Path) -> None:
     path = _file(
         tmp_path,
