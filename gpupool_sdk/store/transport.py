@@ -163,6 +163,8 @@ def token_rejected(exc: grpc.RpcError) -> bool:
     return "invalid auth token" in _details(exc)
 
 
+#: gRPC's words for a TLS handshake this side abandoned (``Handshake read failed (...)``).
+_HANDSHAKE_ABANDONED = ("shutting down endpoint", "endpoint closing")
 _TLS_MARKERS = ("handshake failed", "security handshaker", "handshake read failed", "hostname verification", "ssl_error")
 
 
@@ -175,6 +177,14 @@ def map_grpc_error(exc: grpc.RpcError, op: str, endpoint: str, security: EtcdSec
     details = _details(exc)
     low = details.lower()
     sec = security or EtcdSecurity()
+    if "handshake read failed" in low and any(m in low for m in _HANDSHAKE_ABANDONED):
+        # This side gave the handshake up (its deadline passed, or the channel shut down while the
+        # handshake was under way: seen on a starved machine): not a settings problem, so retried
+        # like any unreachable etcd. A server that hangs up on TLS says "(Socket closed)" instead.
+        return StoreUnavailableError(
+            f"etcd at {endpoint} unreachable during {op}: the TLS handshake did not finish in time "
+            f"(etcd or this machine overloaded, or etcd restarting) (gRPC: {details})"
+        )
     if any(m in low for m in _TLS_MARKERS):
         return StoreTLSError(f"TLS with etcd at {endpoint} failed during {op}: {_tls_hint(low, sec)} (gRPC: {details})")
     if code == grpc.StatusCode.CANCELLED and "channel closed" in low:
@@ -232,8 +242,7 @@ def map_grpc_error(exc: grpc.RpcError, op: str, endpoint: str, security: EtcdSec
 def _tls_hint(low: str, sec: EtcdSecurity) -> str:
     if "handshake read failed" in low:
         return (
-            "etcd closed the connection during the TLS handshake: it probably serves plaintext (http) on this port "
-            "(or it was overloaded or restarting); "
+            "etcd closed the connection during the TLS handshake: it probably serves plaintext (http) on this port; "
             f"drop the TLS settings ({describe('cacert')}, https://) or point the endpoints at etcd's https port"
         )
     if "certificate_verify_failed" in low:
