@@ -5,19 +5,26 @@ the callback's SignalWatch handler among them. In a process that lives on after 
 (``exit_on_preempt=False``, a notebook, a sweep of fits) that stale handler recorded a later
 SIGTERM and swallowed it, instead of the process's own handler (the default action: terminate).
 
-Each case runs a real Lightning Trainer (Lightning's own ``BoringModel``, CPU) in a subprocess with
-the callback on an in-memory lease (the FakeLease of test_callback_logic.py: no pool is needed for
-what is tested here), ends the fit one way, then gets a real SIGTERM from this process.
+Each case runs a real Lightning Trainer (Lightning's own ``BoringModel``, CPU) in a process of its
+own with the callback on an in-memory lease (the FakeLease of test_callback_logic.py: no pool is
+needed for what is tested here), ends the fit one way, then gets a real SIGTERM from this process.
+The case processes are forked from one host process that imported torch and both Lightning
+packages once (a Lightning import is ~5 s of CPU; the suite runs on two cores); a fork starts with
+the host's signal dispositions, which are Python's defaults, as a fresh interpreter's are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +32,7 @@ import pytest
 
 from integrations.lightning.tests.conftest import ROOT, wait_for
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("signals_after_fit_host")]
 
 #: The host script: sets up the process's own handlers, fits, reports, then waits for a signal.
 SCRIPT = textwrap.dedent('''
@@ -109,38 +116,116 @@ CASES = {
 }
 
 
-def run_host(scenario: str, handler: str, tmp_path: Path) -> tuple[dict[str, Any], int, str]:
-    """Start the host script, wait until its fit returned, SIGTERM it; its report, return code and output."""
-    out_path = tmp_path / "host.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for var in ("GPUPOOL_RUN_SOCKET", "GPUPOOL_LEASED", "GPUPOOL_DEVICES", "GPUPOOL_RESUME_FROM", "GPUPOOL_JOB",
-                "GPUPOOL_LEASE_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
-        env.pop(var, None)
-    with open(out_path, "wb") as out:
-        p = subprocess.Popen([sys.executable, "-c", SCRIPT, scenario, handler, str(tmp_path)], stdout=out,
-                             stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-        try:
-            wait_for(lambda: "READY" in out_path.read_text() or p.poll() is not None, 300,
-                     what=f"the {scenario} fit to return")
-            assert p.poll() is None, out_path.read_text()
-            os.kill(p.pid, signal.SIGTERM)
+#: Imports torch and both Lightning packages once, then forks a process per case line read from
+#: stdin (``scenario handler tmpdir``): the child runs SCRIPT with its output in ``tmpdir/host.log``;
+#: the host prints ``{"pid": ...}`` when it forked and ``{"pid": ..., "rc": ...}`` when the child ended.
+HOST = textwrap.dedent('''
+    import json, os, sys
+    import pytorch_lightning, lightning.pytorch  # noqa: F401 - the cost every case shares
+    import pytorch_lightning.demos.boring_classes, lightning.pytorch.demos.boring_classes  # noqa: F401
+    import gpupool_lightning  # noqa: F401
+    import integrations.lightning.tests.test_callback_logic  # noqa: F401
+    script = sys.stdin.readline()
+    code = compile(json.loads(script), "signals_case", "exec")
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        scenario, handler, tmp = line.split()
+        pid = os.fork()
+        if pid == 0:
             try:
-                rc = p.wait(timeout=120)  # a bound: the default action or os._exit is immediate
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the SIGTERM after fit was swallowed: the process still runs\n{out_path.read_text()}")
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                os.setsid()
+                fd = os.open(os.path.join(tmp, "host.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.close(0)
+                sys.argv = ["signals_case", scenario, handler, tmp]
+                exec(code, {"__name__": "__main__"})
+            finally:
+                os._exit(0)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"pid": pid, "rc": os.waitstatus_to_exitcode(status)}), flush=True)
+''')
+
+
+class Host:
+    """The host process of one test module (on one worker: the module's xdist group)."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        for var in ("GPUPOOL_RUN_SOCKET", "GPUPOOL_LEASED", "GPUPOOL_DEVICES", "GPUPOOL_RESUME_FROM", "GPUPOOL_JOB",
+                    "GPUPOOL_LEASE_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):  # fmt: skip
+            env.pop(var, None)
+        self.proc = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=ROOT, env=env, start_new_session=True)  # fmt: skip
+        self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._send(json.dumps(SCRIPT))
+        assert self.next(300).get("ready"), "the host did not start"
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.lines.put(json.loads(line))
+        self.lines.put({"host_exited": self.proc.wait()})
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def next(self, timeout: float) -> dict[str, Any]:
+        got = self.lines.get(timeout=timeout)
+        assert "host_exited" not in got, f"the host process exited: {got}"
+        return got
+
+    def fork(self, scenario: str, handler: str, tmp: Path) -> int:
+        self._send(f"{scenario} {handler} {tmp}")
+        return int(self.next(60)["pid"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[Host]:
+    h = Host()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def run_host(host: Host, scenario: str, handler: str, tmp_path: Path) -> tuple[dict[str, Any], int, str]:
+    """Fork a case, wait until its fit returned, SIGTERM it; its report, return code and output."""
+    out_path = tmp_path / "host.log"
+    pid = host.fork(scenario, handler, tmp_path)
+    try:
+        wait_for(lambda: out_path.exists() and "READY" in out_path.read_text(), 300,
+                 what=f"the {scenario} fit to return")  # fmt: skip
+        os.kill(pid, signal.SIGTERM)
+        try:
+            done = host.next(120)  # a bound: the default action or os._exit is immediate
+        except queue.Empty:
+            pytest.fail(f"the SIGTERM after fit was swallowed: the process still runs\n{out_path.read_text()}")
+        assert done["pid"] == pid, done
+        rc = int(done["rc"])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # its own session (setsid): whatever is left of the case
     text = out_path.read_text()
     report = next(json.loads(line) for line in text.splitlines() if line.startswith("{"))
     return report, rc, text
 
 
 @pytest.mark.parametrize("scenario", list(CASES))
-def test_after_fit_a_sigterm_reaches_the_processs_own_handler(scenario: str, tmp_path: Path) -> None:
+def test_after_fit_a_sigterm_reaches_the_processs_own_handler(host: Host, scenario: str, tmp_path: Path) -> None:
     handler, outcome = CASES[scenario]
-    report, rc, text = run_host(scenario, handler, tmp_path)
+    report, rc, text = run_host(host, scenario, handler, tmp_path)
     assert report["outcome"] == outcome, text
     # During each fit the callback's handler was the one in place (again at the second fit).
     assert report["armed"] == [True] * (2 if scenario == "twice" else 1), text
