@@ -3,7 +3,9 @@
 A usage write whose answer is lost (the transaction landed, the client saw an error) used to stay
 pending and be written again at the next flush: after ``job forget`` had deleted the record of the
 finished job, the coordinator re-created it (seen under load in the operator CLI test). Real etcd,
-the real coordinator loop in-process; the fault wraps the real writer: it commits, then raises.
+the real coordinator loop in-process; the fault wraps the real writer: it commits, then raises
+(for ``late``: after deleting the key, as a `job forget` landing before the answer would).
+The ``late`` step fails on the code before the guard (the record came back).
 """
 
 from __future__ import annotations
@@ -35,15 +37,22 @@ def pool(store: EtcdStore) -> Iterator[tuple[Coordinator, list[CycleReport], lis
                         on_cycle=reports.append)
     lost: list[str] = []  # usage keys whose answer the fault has dropped
     real: Callable[..., Any] = coord.writer.commit
+    forget_late = threading.Event()  # set: usage/late's next write is forgotten before its answer comes
 
     def lose_the_first_answer(ops: Sequence[Any], guards: Sequence[Any] = ()) -> int | None:
         revision = real(ops, guards)
         for op in ops:
             key = getattr(op, "key", "")
-            if "/usage/" in key and key not in lost:
+            if key == store.keys.usage("late") and forget_late.is_set() and key not in lost:
+                lost.append(key)
+                store.delete(key)  # `gpupool job forget late` lands between the write and its answer
+                raise StoreUnavailableError(f"deadline exceeded (the fault: {key} was written, then forgotten)")
+            if "/usage/" in key and key not in lost and not key.endswith("/late"):
                 lost.append(key)
                 raise StoreUnavailableError(f"deadline exceeded (the fault: {key} was written)")
         return revision
+
+    coord.forget_late = forget_late  # type: ignore[attr-defined]  # for the test
 
     coord.writer.commit = lose_the_first_answer  # type: ignore[method-assign]
     t = threading.Thread(target=coord.run, daemon=True)
@@ -91,6 +100,23 @@ def test_a_forgotten_record_whose_write_answer_was_lost_is_not_recreated(
     n = len(reports)
     wait_for(lambda: len(reports) >= n + 10, 60, "ten cycles (flushes every 0.2 s) after the forget")
     assert _usage(store, "gone") is None, "the coordinator re-created a forgotten usage record"
+    # A job that ends while its usage write's answer is lost, forgotten in between: the coordinator
+    # must not write the record again (before the guard it did: the write stayed pending).
+    late_lease = store.grant_lease(10)
+    store.create(store.keys.job_spec("late"), JobSpec(name="late", gpus=1, memory="8GiB"), lease=late_lease)
+    wait_for(lambda: _granted(store, "late"), 30, "late's grant")
+
+    def late_held() -> bool:  # the leader tracks (charges) what a snapshot showed it holding
+        state = coord.last_state
+        return state is not None and any(a.job == "late" for a in state.allocations)
+
+    wait_for(late_held, 30, "the coordinator to see late's slice")
+    coord.forget_late.set()  # type: ignore[attr-defined]
+    store.revoke_lease(late_lease)  # the job ends
+    wait_for(lambda: store.keys.usage("late") in lost, 30, "late's write to land and be forgotten")
+    n = len(reports)
+    wait_for(lambda: len(reports) >= n + 10, 60, "ten cycles after the forget")
+    assert _usage(store, "late") is None, "the coordinator re-created a record forgotten while its answer was lost"
     # The live job's account goes on after its lost answer: charged, not dropped.
     first = _usage(store, "live")
     assert first is not None
