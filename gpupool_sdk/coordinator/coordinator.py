@@ -224,10 +224,8 @@ class Coordinator:
         self._ledger: UsageLedger | None = None
         self._ledger_dirty: set[str] = set()
         # usage/{job} mod revision of this term's last committed write (_UNKNOWN: a write whose
-        # outcome is not known); with the snapshot's revisions they guard every usage write.
+        # outcome is not known); with the last snapshot's revisions they guard every usage write.
         self._usage_written: dict[str, int] = {}
-        self._usage_seen: Mapping[str, int] = {}
-        self._live_jobs: frozenset[str] = frozenset()
         self._reset_ledger = False
         # Jobs being charged: their slices and the monotonic time they are charged up to.
         self._holding: dict[str, tuple[tuple[Allocation, ...], float]] = {}
@@ -446,7 +444,6 @@ class Coordinator:
                     # Every decision was applied: a cycle before valid_until on the same input repeats them.
                     self._scheduled = (inputs, valid_until)
             self._last_state = state
-            self._usage_seen, self._live_jobs = state.usage_revisions, frozenset(state.snapshot.jobs)
             # After the writes, so accounting and garbage collection never delay a grant.
             self._account(state)
             self._collect_orphans(state)
@@ -641,12 +638,14 @@ class Coordinator:
         deleted since by ``gpupool job forget``: re-creating it would undo the operator).
         """
         key = self.keys.usage(job)
-        own, seen = self._usage_written.get(job), self._usage_seen.get(job)
+        state = self._last_state
+        own = self._usage_written.get(job)
+        seen = state.usage_revisions.get(job) if state is not None else None
         if own is not None and own != _UNKNOWN:
             return Unchanged(key, max(own, seen or 0))
         if seen is not None:
             return Unchanged(key, seen)
-        if own == _UNKNOWN and job not in self._live_jobs:
+        if own == _UNKNOWN and (state is None or job not in state.snapshot.jobs):
             return None
         return Absent(key)
 
