@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import click
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from gpupool_sdk.errors import ConfigError, StoreUnavailableError
 from gpupool_sdk.store.endpoints import ENDPOINTS_ENV, env_endpoints
@@ -158,7 +159,7 @@ def unreachable(endpoints: str | None, exc: Exception) -> NoReturn:
     sys.exit(EXIT_UNREACHABLE)
 
 
-def _naming_endpoints(endpoints: str | None, exc: Exception) -> str:
+def _naming_endpoints(endpoints: str | None, exc: BaseException) -> str:
     msg = str(exc)
     where = resolve_endpoints(endpoints)
     return msg if where in msg else f"{where}: {msg}"
@@ -169,8 +170,9 @@ def wait_for_etcd(who: str, endpoints: str | None, probe: Callable[[], T], windo
 
     A daemon (``gpupool coordinator``, ``gpupool agent``) often starts beside etcd (a pod, a
     systemd unit, a loaded machine where a TLS handshake times out): one failed call is no reason
-    to exit. Each failure is reported on stderr (naming the endpoint) and retried, the wait doubling
-    from 0.2 s; once ``window_s`` has passed the last failure propagates (the caller exits 3).
+    to exit. Each failure is reported on stderr (naming the endpoint) and retried (tenacity), the
+    wait doubling from 0.2 s up to 5 s; once ``window_s`` has passed the last failure propagates
+    (the caller exits 3).
 
     Args:
         who: the command, for the messages.
@@ -185,22 +187,26 @@ def wait_for_etcd(who: str, endpoints: str | None, probe: Callable[[], T], windo
         >>> wait_for_etcd("agent", None, lambda: 7, 1.0)
         7
     """
-    deadline = time.monotonic() + max(0.0, window_s)
-    wait = 0.2
-    while True:
-        try:
-            return probe()
-        except StoreUnavailableError as exc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-            click.echo(
-                f"{who}: etcd unreachable: {_naming_endpoints(endpoints, exc)}; retrying in {min(wait, left):.1f}s "
-                f"(giving up in {left:.0f}s)",
-                err=True,
-            )
-            _sleep(min(wait, left))
-            wait = min(2 * wait, 5.0)
+    start = time.monotonic()
+
+    def report(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        pause = state.next_action.sleep if state.next_action is not None else 0.0
+        left = max(0.0, window_s - (time.monotonic() - start))
+        click.echo(
+            f"{who}: etcd unreachable: {_naming_endpoints(endpoints, exc or Exception())}; retrying in {pause:.1f}s "
+            f"(giving up in {left:.0f}s)",
+            err=True,
+        )
+
+    retrying = Retrying(
+        stop=stop_after_delay(max(0.0, window_s)),
+        wait=wait_exponential(multiplier=0.2, max=5.0),
+        retry=retry_if_exception_type(StoreUnavailableError),
+        before_sleep=report,
+        reraise=True,
+    )
+    return retrying(probe)
 
 
 def watch_loop(
