@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from testkit import wait_for
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import GiB
@@ -174,6 +175,8 @@ def test_background_thread_samples_and_stops() -> None:
     nv = FakeNvml(_gpus())
     with NvmlSampler(["GPU-0"], pids=[OUR_PID], nvml=nv, interval_s=0.01, window_s=1) as s:
         assert nv.sampled.wait(30), "the sampler thread never sampled"
+        # The fake signals from inside a read; the sample is stored when the read returns.
+        wait_for(lambda: s.latest() is not None, 30, "the sampler to store its first sample")
         assert s.latest() is not None
     assert nv.shutdowns == 1 and not s.available
 
