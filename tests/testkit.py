@@ -9,6 +9,8 @@ a ``conftest`` module and the first one imported wins.
   ``pytest_runtest_makereport`` hook of ``tests/conftest.py``).
 * ``stop_groups``: SIGTERM the process groups of processes started with
   ``start_new_session=True``, then SIGKILL the ones still there after a grace period.
+* ``start_gpupool_etcd``: ``gpupool etcd`` in the foreground on free ports (picked again when a
+  parallel test takes one first).
 * ``mps_control_daemon``: a real CUDA MPS control daemon for a GPU test (skips without one).
 """
 
@@ -63,6 +65,36 @@ def stop_groups(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 10.0) -
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+
+
+def start_gpupool_etcd(
+    args: Sequence[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], int, str]:
+    """``gpupool etcd`` on two free ports, picked again while another process takes one first.
+
+    The ports are free when picked, but a parallel test may bind one before etcd does; the command
+    then refuses with "already in use" (the operator's contract), and only that is retried here.
+    Returns the running process, its client port and the first line it printed ("... ready on ...").
+    """
+    from gpupool_sdk.store.launcher import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(5):
+        port, peer = free_port(), free_port()
+        if port == peer:
+            continue
+        p = subprocess.Popen(
+            [sys.executable, "-m", "gpupool_sdk.cli.main", "etcd", "--port", str(port), "--peer-port", str(peer), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
+        )  # fmt: skip
+        assert p.stdout is not None and p.stderr is not None
+        first = p.stdout.readline()
+        if "ready on" in first:
+            return p, port, first
+        p.wait(30)
+        err = p.stderr.read()
+        assert "already in use" in err, (first, err)
+    raise AssertionError("no two free ports stayed free long enough for etcd to bind them")
 
 
 def publish_gpus(store: Any, gpus: Sequence[Any], lease: int | None = None, ttl_s: int = 600) -> int:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from testkit import start_gpupool_etcd
 
 from gpupool_sdk.errors import EtcdNotFoundError
 from gpupool_sdk.store import launcher
@@ -63,16 +63,9 @@ def test_start_stop_restart_keeps_data(tmp_path: Path) -> None:
 
 
 def test_cli_runs_in_foreground_until_sigterm(tmp_path: Path) -> None:
-    port = launcher.free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpupool_sdk.cli.main", "etcd", "--port", str(port), "--data-dir", str(tmp_path / "d")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc, port, first = start_gpupool_etcd(["--data-dir", str(tmp_path / "d")])
     try:
         assert proc.stdout is not None
-        first = proc.stdout.readline()
         second = proc.stdout.readline()
         assert f"127.0.0.1:{port}" in first
         assert second.strip() == f"export GPUPOOL_ENDPOINTS=127.0.0.1:{port}"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from testkit import stop_groups, wait_for
+from testkit import start_gpupool_etcd, stop_groups, wait_for
 
 from gpupool_sdk.errors import ConfigError, StoreAuthError, StoreTLSError, StoreUnavailableError
 from gpupool_sdk.resources import Allocation
@@ -471,19 +471,14 @@ def test_pool_client_acquires_a_lease_over_mutual_tls_from_the_environment(
 
 
 def test_gpupool_etcd_serves_tls_with_given_certificates(pki: Pki, tmp_path: Path) -> None:
-    from gpupool_sdk.store.launcher import free_port
-
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in SECURITY_ENV_VARS}
-    p = subprocess.Popen(
-        [sys.executable, "-m", "gpupool_sdk.cli.main", "etcd", "--port", str(port), "--data-dir", str(tmp_path / "d"),
-         "--cert-file", pki.server_cert, "--key-file", pki.server_key, "--trusted-ca-file", pki.ca],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    p, port, _ = start_gpupool_etcd(
+        ["--data-dir", str(tmp_path / "d"), "--cert-file", pki.server_cert, "--key-file", pki.server_key,
+         "--trusted-ca-file", pki.ca],
+        env,
     )  # fmt: skip
     try:
         assert p.stdout is not None
-        first = p.stdout.readline()
-        assert "ready on" in first, (first, p.stderr.read() if p.poll() is not None and p.stderr else "")
         assert f"GPUPOOL_ENDPOINTS=https://127.0.0.1:{port}" in p.stdout.readline()
         sec = EtcdSecurity(cacert=pki.ca, cert=pki.client_cert, key=pki.client_key)
         with open_store(f"https://127.0.0.1:{port}", sec) as store:
