@@ -101,6 +101,7 @@ class Plan:
         revoke_lease: an etcd lease to revoke after the writes succeeded (forced preemption).
         gpu_guards: one per GPU the plan adds to: nothing was written there since the state the
             plan was made on (the :class:`Applier` raises each revision to its own later writes).
+        allocations: a grant's slices as written (the leader charges them from the grant on).
     """
 
     job: str
@@ -109,6 +110,7 @@ class Plan:
     guards: tuple[Guard, ...] = ()
     revoke_lease: int = 0
     gpu_guards: tuple[UnchangedSince, ...] = ()
+    allocations: tuple[Allocation, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -129,6 +131,8 @@ class ApplyReport:
     lost: int = 0
     revoked: int = 0
     granted_jobs: list[str] = field(default_factory=list)
+    #: the slices each written grant put, by job (what the job holds from this cycle on).
+    granted: dict[str, tuple[Allocation, ...]] = field(default_factory=dict)
     too_large: int = 0
     #: plans refused because a GPU they add to changed since the snapshot, by plan kind.
     gpu_changed: dict[str, int] = field(default_factory=dict)
@@ -330,6 +334,7 @@ def plan(
     if isinstance(decision, st.Grant):
         ops: list[Op] = []
         new_keys = set()
+        allocs: list[Allocation] = []
         for s in decision.slices:
             alloc = Allocation(
                 job=job,
@@ -344,6 +349,7 @@ def plan(
             )
             key = ks.allocation(s.node, s.gpu_uuid, job)
             new_keys.add(key)
+            allocs.append(alloc)
             ops.append(PutOp(key, encode(alloc), meta.lease))
         ops.extend(
             DeleteOp(k)
@@ -357,7 +363,7 @@ def plan(
         status = _status(state, job, JobState.GRANTED, reason, now, granted_at=now, gpus=len(decision.slices))
         ops.append(_put_status(ks, meta, status))
         gpu_guards = _gpu_guards(ks, state, [(s.node, s.gpu_uuid) for s in decision.slices])
-        return Plan(job, kind, tuple(ops), guards, gpu_guards=gpu_guards)
+        return Plan(job, kind, tuple(ops), guards, gpu_guards=gpu_guards, allocations=tuple(allocs))
 
     if isinstance(decision, st.Queue):
         if old is not None and old.state is JobState.PENDING and old.reason == decision.reason:
@@ -697,6 +703,7 @@ class Applier:
             report.applied[p.kind] = report.applied.get(p.kind, 0) + 1
             if p.kind == "Grant":
                 report.granted_jobs.append(p.job)
+                report.granted[p.job] = p.allocations
             elif p.kind in ("Release", "Regrant"):
                 released.add(p.job)
             if p.revoke_lease:

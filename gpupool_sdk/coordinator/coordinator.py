@@ -445,7 +445,7 @@ class Coordinator:
                     self._scheduled = (inputs, valid_until)
             self._last_state = state
             # After the writes, so accounting and garbage collection never delay a grant.
-            self._account(state)
+            self._account(state, report.granted)
             self._collect_orphans(state)
             self.stats.too_large += report.too_large
             if report.gpu_changed:
@@ -573,12 +573,14 @@ class Coordinator:
         self._ledger.records[job] = accrue(rec, allocs, state.snapshot.gpus, dt, self.prices, now=now_wall)
         self._ledger_dirty.add(job)
 
-    def _account(self, state: PoolState) -> None:
+    def _account(self, state: PoolState, new_grants: Mapping[str, Sequence[Allocation]] | None = None) -> None:
         """Track who holds slices; charge jobs whose slices changed or vanished, and everyone once a second.
 
         A job is charged from its grant (``Allocation.granted_at``) or from where its record was
         last charged, whichever is later, up to when this leader saw its slices change or vanish,
-        so short jobs and jobs that simply finished are charged too.
+        so short jobs and jobs that simply finished are charged too. ``new_grants``: the slices this
+        cycle's grants wrote (after ``state`` was read), tracked from now on, so a job that ends
+        before the next snapshot is charged for them too.
         """
         now_m = time.monotonic()
         if self._ledger is None:
@@ -604,6 +606,17 @@ class Coordinator:
                 rec = self._record(job, state)
                 start_wall = max(granted, rec.last_seen if rec is not None else 0.0)
                 self._holding[job] = (tuple(cur), now_m - max(0.0, state.snapshot.now - start_wall))
+        for job, written in (new_grants or {}).items():
+            if not written:
+                continue
+            if job in self._holding:
+                self._charge(job, self._holding[job][0], now_m, state)  # what it held up to this grant
+            elif self._record(job, state) is None:
+                view = state.snapshot.jobs.get(job)  # the owner, while the spec is still in sight
+                self._ledger.records[job] = UsageRecord.new(
+                    job, owner=view.spec.owner if view else "", qos=written[0].mode, now=time.time()
+                )
+            self._holding[job] = (tuple(written), now_m)
         if self._last_accrual is None or now_m - self._last_accrual >= USAGE_ACCRUE_S:
             self._last_accrual = now_m
             for job, (allocs, _since) in list(self._holding.items()):
