@@ -60,6 +60,12 @@ else:  # pragma: no cover - Python 3.10
 #: Slurm's backfill stops at ``bf_max_job_test``) and a blocked job keeps last cycle's reserved
 #: GPUs while they are unchanged (the Kubernetes scheduler's nominated node); measured side by
 #: side with both off: average JCT 2-5 % lower on sections 5a-5c, not higher anywhere.
+#: Reservations (``reserve_after_s``) only after 6 hours of waiting: LAS preemption already keeps
+#: long runners from blocking a big job, and a reservation after 10 minutes held GPUs idle for it so
+#: often that the pool turned FIFO-like on a trace it was not tuned on (tiresias_60job on one
+#: 8 x V100: average JCT 1,399 s at 600 s against 719 s at 21,600 s, Tiresias 917 s); measured side
+#: by side with 600, 3,600, 7,200, 14,400 and 43,200 s and none, 21,600 s is the lowest average
+#: JCT on section 5b and within 1 % of the lowest on 5a and 5c (``docs/scheduler.md``).
 DEFAULT_SCHEDULER = SchedulerConfig(
     overcommit_ratio=1.5,
     aging_s_per_priority=0.0,
@@ -70,6 +76,7 @@ DEFAULT_SCHEDULER = SchedulerConfig(
     use_remaining=True,
     max_considered=32,
     keep_reservations=True,
+    reserve_after_s=21600.0,
 )
 
 #: The top-level tables a policy file may hold.
