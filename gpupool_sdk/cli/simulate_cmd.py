@@ -40,7 +40,8 @@ from gpupool_sdk.cli.common import echo_json, output_option
               help="gpupool: queue priority per trace class, e.g. 'Guaranteed=20,LS=10,Burstable=5,BE=0' "
                    "(default: every class priority 0; the class then only chooses the QoS).")
 @click.option("--las", "las", default=None, metavar="GPU_S[,GPU_S...]",
-              help="gpupool: least-attained-service queue thresholds (GPU-seconds; default 3600,36000); '' = off.")
+              help="gpupool: least-attained-service queue thresholds (GPU-seconds; default: the policy's, "
+                   "1800,18000,180000); '' = off.")
 @click.option("--las-promote-factor", default=None, type=float, metavar="F",
               help="gpupool, with LAS: a job that waited F x its run so far counts as queue 0 again "
                    "(starvation promotion; 0 = off).")

@@ -214,3 +214,15 @@ def test_class_priority_lets_ls_preempt_be(tmp_path: Path) -> None:
     assert flat["preemptions"] == 0 and flat["by_class"]["LS"]["avg_queue_s"] == 50.0
     ranked = gpupool("--class-priority", "LS=10,BE=0")
     assert ranked["preemptions"] == 1 and ranked["by_class"]["LS"]["avg_queue_s"] < 50.0
+
+
+def test_help_states_the_policy_defaults_it_overrides() -> None:
+    """Each policy flag's help names the default the pool really runs (DEFAULT_SCHEDULER), not an
+    older one (the --las help said 3600,36000 after the ladder moved to 1800,18000,180000)."""
+    from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
+
+    res = CliRunner().invoke(simulate, ["--help"], terminal_width=400)
+    text = " ".join(res.output.split())
+    ladder = ",".join(f"{t:g}" for t in DEFAULT_SCHEDULER.las_threshold_gpu_s)
+    assert f"default: the policy's, {ladder})" in text, text
+    assert f"default {DEFAULT_SCHEDULER.overcommit_ratio:g})" in text
