@@ -49,7 +49,10 @@ def test_two_lightning_jobs_split_one_gpu_70_30_and_status_shows_timeslice(live_
     assert gpu["job-a"] == gpu["job-b"], f"not on one GPU: {gpu}"
     assert wait_for(lambda: _status_sharing(live_pool, gpu["job-a"]) == "timeslice", what="status to show timeslice")
     start = time.time() + 3.0
-    window.write_text(json.dumps({"start_at": start, "end_at": start + WINDOW_S}))
+    # Written whole, then renamed: the jobs poll for the file and must never read it half-written.
+    partial = window.with_suffix(".tmp")
+    partial.write_text(json.dumps({"start_at": start, "end_at": start + WINDOW_S}))
+    partial.replace(window)
     for job, p in procs.items():
         assert live_pool.wait_exit(p, job, timeout=WINDOW_S + 120) == 0, live_pool.log(job)[-3000:]
     res = {j: json.loads((tmp_path / f"{j}.json").read_text()) for j in jobs}

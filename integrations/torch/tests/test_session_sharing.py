@@ -92,7 +92,10 @@ def test_two_pool_sessions_take_turns_on_one_gpu(pool: Pool, tmp_path: Path) -> 
     wait_for(lambda: len(pool.store.get_prefix(pool.keys.timeslice_prefix("node-a", pool.gpu_uuids()[0]))[0]) >= 3,
              60, "both members and a turn in etcd")
     start = time.time() + 2.0
-    window.write_text(json.dumps({"start_at": start, "end_at": start + 20.0}))
+    # Written whole, then renamed: the loops poll for the file and must never read it half-written.
+    partial = window.with_suffix(".tmp")
+    partial.write_text(json.dumps({"start_at": start, "end_at": start + 20.0}))
+    partial.replace(window)
     for job, p in procs.items():
         assert p.wait(timeout=120) == 0, (tmp_path / f"{job}.log").read_text()[-3000:]
     res = {j: json.loads((tmp_path / f"{j}.json").read_text()) for j in jobs}
