@@ -78,7 +78,8 @@ class GpuHealth:
 
     def without_usage(self) -> GpuHealth:
         """This verdict with every usage reading unknown (what the agent's change test compares)."""
-        return replace(self, **dict.fromkeys(USAGE_FIELDS))
+        unknown: dict[str, Any] = dict.fromkeys(USAGE_FIELDS)
+        return replace(self, **unknown)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
