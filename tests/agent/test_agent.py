@@ -68,7 +68,13 @@ def test_refresh_rewrites_only_changed_gpus(store, agents):
     assert not g.healthy and g.health.reasons == ("test",)
 
 
-BUSY = GpuHealth(utilization=0.5, memory_bandwidth_utilization=0.2, memory_used_bytes=7 << 30, pcie_tx_bytes_per_s=1e9)
+USAGE = {"utilization": 0.5, "memory_bandwidth_utilization": 0.2, "memory_used_bytes": 7 << 30, "pcie_tx_bytes_per_s": 1e9}
+
+
+def _busy(a, uuid, **kw):
+    """Give a simulated GPU usage readings, keeping its other readings."""
+    g = next(g for g in a.backend.gpus() if g.uuid == uuid)
+    a.backend.set_health(uuid, dataclasses.replace(g.health, **{**USAGE, **kw}))
 
 
 def _published(store, uuid):
@@ -81,14 +87,14 @@ def test_usage_readings_alone_do_not_rewrite_keys(store, agents):
     a = make(store, agents, usage_interval_s=60.0, clock=lambda: clock[0])
     a.start()
     before = keys_of(store)
-    a.backend.set_health("GPU-sim-n-2", BUSY)
+    _busy(a, "GPU-sim-n-2")
     clock[0] += 59.0
     assert a.refresh() == 0
     assert keys_of(store) == before
     assert a.last_gpus[2].health.utilization == 0.5  # the agent's metrics see every reading
     assert _published(store, "GPU-sim-n-2").utilization is None
     # a change that is written anyway carries the latest readings along
-    a.backend.set_health("GPU-sim-n-2", dataclasses.replace(BUSY, utilization=0.9, healthy=False, reasons=("test",)))
+    _busy(a, "GPU-sim-n-2", utilization=0.9, healthy=False, reasons=("test",))
     assert a.refresh() == 1
     h = _published(store, "GPU-sim-n-2")
     assert (h.healthy, h.utilization, h.memory_used_bytes) == (False, 0.9, 7 << 30)
@@ -98,13 +104,13 @@ def test_usage_readings_are_republished_once_per_interval(store, agents):
     clock = [1000.0]
     a = make(store, agents, usage_interval_s=60.0, clock=lambda: clock[0])
     a.start()
-    a.backend.set_health("GPU-sim-n-1", BUSY)
+    _busy(a, "GPU-sim-n-1")
     clock[0] += 30.0
     assert a.refresh() == 0
     clock[0] += 30.0  # the readings published at start are now one interval old
     assert a.refresh() == 1
     assert _published(store, "GPU-sim-n-1").utilization == 0.5
-    a.backend.set_health("GPU-sim-n-1", dataclasses.replace(BUSY, utilization=0.6))
+    _busy(a, "GPU-sim-n-1", utilization=0.6)
     clock[0] += 59.0
     assert a.refresh() == 0
     clock[0] += 1.0
@@ -118,7 +124,7 @@ def test_usage_readings_are_republished_once_per_interval(store, agents):
 def test_usage_interval_none_never_and_zero_always(store, agents, interval, writes):
     a = make(store, agents, usage_interval_s=interval)
     a.start()
-    a.backend.set_health("GPU-sim-n-0", BUSY)
+    _busy(a, "GPU-sim-n-0")
     assert a.refresh() == writes
 
 
