@@ -76,6 +76,10 @@ class GpuHealth:
     nvlink_tx_bytes_per_s: float | None = None
     nvlink_rx_bytes_per_s: float | None = None
 
+    def readings(self) -> dict[str, float | int | None]:
+        """Temperature, power and the usage readings by field name (None: unknown), as the CLI shows them."""
+        return {name: getattr(self, name) for name in ("temperature_c", "power_w", *USAGE_FIELDS)}
+
     def without_usage(self) -> GpuHealth:
         """This verdict with every usage reading unknown (what the agent's change test compares)."""
         unknown: dict[str, Any] = dict.fromkeys(USAGE_FIELDS)
