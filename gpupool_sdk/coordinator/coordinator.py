@@ -1,7 +1,8 @@
 """The coordinator: one decision loop over an immutable snapshot, in the manner of Patroni's ``ha.py``.
 
-Every replica runs the same loop. A watch on the whole pool prefix wakes it on any change; it
-also wakes every ``loop_wait_s`` (and at the earliest directive deadline), because deadlines and
+Every replica runs the same loop. A watch on the whole pool prefix wakes it on any change (but
+for keys only other parties read, and a GPU record whose usage readings alone changed: the
+agent republishes those about once a minute); it also wakes every ``loop_wait_s`` (and at the earliest directive deadline), because deadlines and
 minimum run times pass without any key changing. Each wake-up:
 
 1. **Election step.** A standby campaigns when the leader key is absent; the leader renews at
@@ -39,6 +40,7 @@ deleted under the fence and the lease revoked, so a standby takes over without w
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -53,6 +55,7 @@ from gpupool_sdk.coordinator.fencing import Absent, DeleteOp, FencedWriter, Guar
 from gpupool_sdk.coordinator.snapshot import DecodeCache, PoolState, build_state
 from gpupool_sdk.errors import ConfigError, GpupoolError, NotLeaderError, SpecError, StoreError
 from gpupool_sdk.resources import Allocation
+from gpupool_sdk.resources.gpu import USAGE_FIELDS
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.scheduler.autoscale import Autoscaler, AutoscaleSettings, AutoscaleSignal
 from gpupool_sdk.scheduler.types import SchedulerConfig, SliceGrant
@@ -80,6 +83,21 @@ _QUIET_PUTS = frozenset({"jobs.status", "allocations", "directives", "checkpoint
 # Keys that never need a cycle, put or deleted: the leader's own autoscale signal, and the
 # time-slicing turn and membership keys jobs pass between them every quantum.
 _IGNORED_KINDS = frozenset({"autoscale", "prices", "timeslice.turn", "timeslice.member"})
+
+
+def _usage_only_change(before: bytes, after: bytes) -> bool:
+    """True when two encodings of a GPU record differ only in the usage readings of its health."""
+    try:
+        a, b = json.loads(before), json.loads(after)
+    except ValueError:
+        return False
+    for d in (a, b):
+        health = d.get("health") if isinstance(d, dict) else None
+        if not isinstance(health, dict):
+            return False
+        for name in USAGE_FIELDS:
+            health.pop(name, None)
+    return bool(a == b)
 
 
 def _granted_slices(decisions: Sequence[Any], granted_jobs: Sequence[str]) -> dict[str, tuple[SliceGrant, ...]]:
@@ -284,6 +302,14 @@ class Coordinator:
                     continue  # rewritten unchanged
                 if parsed is not None and parsed.kind in _QUIET_PUTS:
                     continue
+                if (
+                    parsed is not None
+                    and parsed.kind == "gpus"
+                    and e.prev is not None
+                    and e.prev.lease == e.kv.lease
+                    and _usage_only_change(e.prev.value, e.kv.value)
+                ):
+                    continue  # the agent's periodic utilisation/PCIe/NVLink readings: no scheduling input
             wake = True
         if wake:
             self._wake.set()

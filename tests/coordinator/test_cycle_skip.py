@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from testkit import publish_gpus
+from testkit import publish_gpus, wait_for
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
@@ -16,7 +16,7 @@ from gpupool_sdk.resources import JobSpec
 from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.scheduler.policy import Scheduler
 from gpupool_sdk.scheduler.types import ClusterSnapshot, Queue, SchedulerConfig, ScheduleResult
-from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store import EtcdStore, WatchEvent
 
 TIMING = LeaseTiming(ttl_s=5, keepalive_interval_s=0.5, retry_timeout_s=1.0)
 
@@ -119,3 +119,28 @@ def test_no_skip_when_time_orders_or_when_off(store: EtcdStore, two_jobs: int, c
         assert sched.runs == 4 and coord.stats.skipped == 0
     finally:
         coord.election.resign()
+
+
+def test_a_gpu_rewritten_for_its_usage_readings_alone_does_not_wake_the_coordinator(store: EtcdStore) -> None:
+    """The agent republishes utilisation and PCIe/NVLink rates about once a minute per node; that is no news."""
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    publish_gpus(store, [gpu])
+    coord, _ = _coordinator(store, DEFAULT_SCHEDULER)
+    key = store.keys.gpu(gpu.node, gpu.uuid)
+    seen: list[WatchEvent] = []
+    kv = store.get(key)
+    watch = store.watch_prefix(key, seen.extend, start_revision=kv.mod_revision + 1)
+    try:
+        busy = replace(gpu, health=replace(gpu.health, utilization=0.9, pcie_tx_bytes_per_s=1e9))
+        hot = replace(busy, health=replace(busy.health, temperature_c=95.0, healthy=False, reasons=("hot",)))
+        for record in (busy, replace(busy, health=replace(busy.health, utilization=0.1)), hot):
+            store.put(key, record, lease=kv.lease)  # as the agent does, on its own lease
+        wait_for(lambda: len(seen) == 3, what="three watch events")
+        woke = []
+        for e in seen:
+            coord._wake.clear()
+            coord._on_events([e])
+            woke.append(coord._wake.is_set())
+        assert woke == [False, False, True]  # usage readings alone: quiet; a health change: a cycle
+    finally:
+        watch.cancel()
