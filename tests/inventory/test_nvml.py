@@ -1,9 +1,11 @@
 import logging
+import time
 
 import pytest
 
 from gpupool_sdk.inventory.base import InventoryBackend
 from gpupool_sdk.inventory.nvml import NvmlBackend, NvmlUnavailableError, nvml_available
+from gpupool_sdk.resources import GpuInfo
 from tests.inventory.fake_nvml import FakeGpu, FakeNvml, MiB, mig_box, nvswitch_box, two_island_box
 
 
@@ -208,6 +210,31 @@ def test_real_gpu_inventory():
             assert g.health.temperature_c is None or 0 < g.health.temperature_c < 120
             print(g.to_dict())  # what a real device looks like, for docs/inventory.md
         assert backend.node_info().driver_version
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_nvml_works(), reason="NVML does not initialise here (no NVIDIA driver or GPU)")
+def test_real_gpu_usage_readings():
+    backend = NvmlBackend()
+    try:
+        backend.gpus()
+        time.sleep(1.0)  # let the PCIe/NVLink counters and their timestamps move between the two readings
+        for g in backend.gpus():
+            h = g.health
+            print(g.index, {k: v for k, v in h.readings().items() if v is not None})  # for docs/inventory.md
+            if g.is_mig:
+                assert h.utilization is None and h.memory_used_bytes is None
+                continue
+            assert h.utilization is not None and 0.0 <= h.utilization <= 1.0
+            assert h.memory_bandwidth_utilization is not None and 0.0 <= h.memory_bandwidth_utilization <= 1.0
+            assert h.memory_used_bytes is not None and 0 <= h.memory_used_bytes <= g.memory_bytes
+            for rate in (h.pcie_tx_bytes_per_s, h.pcie_rx_bytes_per_s, h.nvlink_tx_bytes_per_s, h.nvlink_rx_bytes_per_s):
+                assert rate is None or rate >= 0.0
+            if not g.nvlink_peers:
+                assert h.nvlink_tx_bytes_per_s is None
+            assert GpuInfo.from_dict(g.to_dict()) == g  # a real device's figures pass the record's checks
     finally:
         backend.close()
 
