@@ -12,11 +12,12 @@ from testkit import publish_gpus, wait_for
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import JobSpec
+from gpupool_sdk.resources import GpuInfo, JobSpec
 from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.scheduler.policy import Scheduler
-from gpupool_sdk.scheduler.types import ClusterSnapshot, Queue, SchedulerConfig, ScheduleResult
+from gpupool_sdk.scheduler.types import ClusterSnapshot, Grant, Queue, SchedulerConfig, ScheduleResult
 from gpupool_sdk.store import EtcdStore, WatchEvent
+from gpupool_sdk.store.codec import decode
 
 TIMING = LeaseTiming(ttl_s=5, keepalive_interval_s=0.5, retry_timeout_s=1.0)
 
@@ -144,3 +145,43 @@ def test_a_gpu_rewritten_for_its_usage_readings_alone_does_not_wake_the_coordina
         assert woke == [False, False, True]  # usage readings alone: quiet; a health change: a cycle
     finally:
         watch.cancel()
+
+
+def test_usage_readings_alone_do_not_defeat_the_skip(store: EtcdStore, two_jobs: int) -> None:
+    """A GPU rewritten for its usage readings alone is the same scheduler input; a health change is not."""
+    coord, sched = _coordinator(store, DEFAULT_SCHEDULER)
+    try:
+        _cycle(coord)
+        _cycle(coord)
+        assert _cycle(coord).skipped
+        key = next(kv.key for kv in store.get_prefix(store.keys.gpus_prefix("node-a"))[0])
+        kv = store.get(key)
+        gpu = decode(key, kv.value, GpuInfo)
+        for util in (0.5, 0.9):
+            store.put(key, replace(gpu, health=replace(gpu.health, utilization=util, pcie_rx_bytes_per_s=1e9)), lease=kv.lease)
+            assert _cycle(coord).skipped
+        runs = sched.runs
+        store.put(key, replace(gpu, health=replace(gpu.health, temperature_c=55.0)), lease=kv.lease)
+        assert not _cycle(coord).skipped and sched.runs == runs + 1
+        assert _cycle(coord).skipped
+        store.put(key, replace(gpu, health=replace(gpu.health, temperature_c=55.0)), lease=store.grant_lease(60))
+        assert not _cycle(coord).skipped  # a new lease on the same record is news
+    finally:
+        coord.election.resign()
+
+
+def test_the_policy_does_not_read_the_usage_readings(store: EtcdStore, two_jobs: int) -> None:
+    """What lets the skip above ignore them: the same snapshot with busy or idle readings decides the same.
+    A policy that starts reading them must make Coordinator._read count them again."""
+    coord, _ = _coordinator(store, DEFAULT_SCHEDULER)
+    try:
+        snap = coord.read_state(coord.term).snapshot  # a and b pending: a placement to decide
+        busy = {u: replace(g, health=replace(g.health, utilization=1.0, memory_bandwidth_utilization=1.0,
+                                             memory_used_bytes=g.memory_bytes, pcie_rx_bytes_per_s=25e9))
+                for u, g in snap.gpus.items()}
+        policy = Scheduler(replace(DEFAULT_SCHEDULER, etcd_max_txn_ops=128))
+        decided = policy.run(snap)
+        assert any(isinstance(d, Grant) for d in decided.decisions)
+        assert policy.run(replace(snap, gpus=busy)) == decided
+    finally:
+        coord.election.resign()
