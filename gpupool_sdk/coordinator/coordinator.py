@@ -89,7 +89,7 @@ def _without_usage(raw: bytes) -> Any:
     """A GPU record's JSON without the usage readings of its health (the raw bytes if it is not one)."""
     try:
         d = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # hand-edited garbage: any change of it is news
         return raw
     health = d.get("health") if isinstance(d, dict) else None
     if not isinstance(health, dict):

@@ -185,3 +185,24 @@ def test_the_policy_does_not_read_the_usage_readings(store: EtcdStore, two_jobs:
         assert policy.run(replace(snap, gpus=busy)) == decided
     finally:
         coord.election.resign()
+
+
+@pytest.mark.parametrize("garbage", [b"{oops", b"[1, 2]", b'{"schema": 1, "v": ' + b"[" * 3000 + b"]" * 3000 + b"}"])
+def test_garbage_under_a_gpu_key_neither_crashes_the_read_nor_hides_a_change(store: EtcdStore, garbage: bytes) -> None:
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    publish_gpus(store, [gpu])
+    coord, _ = _coordinator(store, DEFAULT_SCHEDULER)
+    try:
+        key = store.keys.gpu(gpu.node, gpu.uuid)
+        _cycle(coord)
+        _cycle(coord)
+        store.put(key, garbage)
+        assert not _cycle(coord).skipped
+        prev = store.get(key)
+        store.put(key, garbage + b" ")
+        assert not _cycle(coord).skipped
+        coord._wake.clear()
+        coord._on_events([WatchEvent("put", store.get(key), prev)])  # no exception in the watch thread
+        assert coord._wake.is_set()
+    finally:
+        coord.election.resign()
