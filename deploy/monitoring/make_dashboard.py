@@ -38,6 +38,21 @@ ROWS: list[tuple[str, list[tuple[str, list[tuple[str, str]], str, str, int]]]] =
         ("GPU temperature (agent)", [
             ("max by (Hostname, gpu) (gpupool_agent_gpu_temperature_celsius)", "{{Hostname}} gpu {{gpu}}"),
         ], "celsius", "timeseries", 12),
+        ("Device utilisation per GPU (agent: any process)", [
+            ("max by (Hostname, gpu) (gpupool_agent_gpu_utilization_ratio)", "{{Hostname}} gpu {{gpu}}"),
+        ], "percentunit", "timeseries", 12),
+        ("Memory bandwidth utilisation per GPU (agent)", [
+            ("max by (Hostname, gpu) (gpupool_agent_gpu_memory_bandwidth_utilization_ratio)", "{{Hostname}} gpu {{gpu}}"),
+        ], "percentunit", "timeseries", 12),
+        ("PCIe and NVLink throughput per node (agent)", [
+            ("sum by (Hostname) (gpupool_agent_gpu_pcie_tx_bytes_per_second)", "{{Hostname}} PCIe TX"),
+            ("sum by (Hostname) (gpupool_agent_gpu_pcie_rx_bytes_per_second)", "{{Hostname}} PCIe RX"),
+            ("sum by (Hostname) (gpupool_agent_gpu_nvlink_tx_bytes_per_second)", "{{Hostname}} NVLink TX"),
+            ("sum by (Hostname) (gpupool_agent_gpu_nvlink_rx_bytes_per_second)", "{{Hostname}} NVLink RX"),
+        ], "Bps", "timeseries", 12),
+        ("Device memory used per GPU (agent: any process)", [
+            ("max by (Hostname, gpu) (gpupool_agent_gpu_memory_used_bytes)", "{{Hostname}} gpu {{gpu}}"),
+        ], "bytes", "timeseries", 12),
     ]),
     ("Queue and scheduler", [
         ("Pending jobs by QoS", [("max by (qos) (gpupool_pending_jobs)", "{{qos}}")], "none", "timeseries", 8),

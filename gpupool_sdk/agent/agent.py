@@ -15,7 +15,12 @@ Life cycle:
    published value differs (changed health, a hand-edited or malformed value, a key deleted by
    hand or attached to another lease); stray keys under the node's prefix are deleted.
    Temperatures are published in whole degrees and power in steps of 5 W, so noise in the
-   readings does not rewrite keys on every refresh.
+   readings does not rewrite keys on every refresh. The usage readings (utilisation, memory
+   bandwidth, memory used, PCIe and NVLink bytes/s) move on every refresh and every GPU write wakes
+   the coordinator, so they are left out of this change test: a GPU written for another reason
+   carries the latest ones along, and a change of them alone is written at most once per
+   ``usage_interval_s`` (60 s by default; None: never on its own; 0: whenever they change). The
+   agent's metrics exporter sees every refresh's readings.
 3. If the lease is lost (etcd expired it after a partition, or someone revoked it), the agent
    re-registers at once: a new lease and a full publish.
 4. :meth:`NodeAgent.stop` revokes the lease, so every key of the node vanishes at once. A
@@ -59,6 +64,8 @@ log = logging.getLogger(__name__)
 #: Published temperatures are rounded to this many degrees C, power to this many watts.
 TEMPERATURE_STEP_C = 1.0
 POWER_STEP_W = 5.0
+#: A GPU whose usage readings alone changed is rewritten at most this often (seconds).
+DEFAULT_USAGE_INTERVAL_S = 60.0
 #: After a failed etcd call, retry this soon (seconds) rather than after a full interval.
 RETRY_AFTER_S = 1.0
 _TXN_OPS = 128  # etcd's default cap on operations per transaction
@@ -91,9 +98,14 @@ class NodeAgent:
         refresh_interval_s: seconds between health refreshes.
         wake: event set when the agent needs attention before its next refresh (lease lost);
             a process running several agents passes one shared event to all of them.
+        usage_interval_s: a GPU whose usage readings (and nothing else) changed is rewritten when
+            its published readings are at least this old (seconds); None: never on its own (they
+            ride along with other writes); 0: on every change.
+        clock: monotonic clock for ``usage_interval_s`` (tests pass their own).
 
     Raises:
-        ConfigError: ``refresh_interval_s`` is not a positive number.
+        ConfigError: ``refresh_interval_s`` is not a positive number, or ``usage_interval_s`` is
+            not None or a number of seconds >= 0.
 
     Example:
         >>> from gpupool_sdk.inventory import simulated_backends          # doctest: +SKIP
@@ -111,10 +123,20 @@ class NodeAgent:
         refresh_interval_s: float = 5.0,
         wake: threading.Event | None = None,
         take_over: bool = False,
+        usage_interval_s: float | None = DEFAULT_USAGE_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         r = refresh_interval_s
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
             raise ConfigError("refresh_interval_s", f"must be a positive number of seconds, got {r!r}")
+        u = usage_interval_s
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u) or u < 0):
+            raise ConfigError(
+                "usage_interval_s", f"must be None (never on their own) or a number of seconds >= 0, got {u!r}"
+            )
+        self.usage_interval_s = None if u is None else float(u)
+        self._clock = clock
+        self._usage_at: dict[str, float] = {}  # GPU uuid -> clock() when its record was last written
         self.store = store
         self.backend = backend
         self.timing = timing
@@ -299,6 +321,8 @@ class NodeAgent:
 
         listed, _ = self.store.get_prefix(keys.gpus_prefix(self.node))
         seen: set[str] = set()
+        written: list[str] = []
+        now = self._clock()
         for kv in listed:
             parsed = keys.parse(kv.key)
             if parsed is None or parsed.kind != "gpus" or parsed.parts[0] != self.node:
@@ -310,17 +334,21 @@ class NodeAgent:
                 ops.append(Delete(kv.key))
                 continue
             seen.add(uuid)
-            if full or self._differs(kv, GpuInfo, gpus[uuid], lease):
+            if full or self._gpu_differs(kv, gpus[uuid], lease, now):
                 ops.append(Put(kv.key, gpus[uuid], lease))
+                written.append(uuid)
         for uuid, gpu in gpus.items():
             if uuid not in seen:
                 if not full:
                     log.warning("node %s: %s was missing from etcd; publishing it again", self.node, uuid)
                 ops.append(Put(keys.gpu(self.node, uuid), gpu, lease))
+                written.append(uuid)
 
         for chunk in iter_chunks(ops, _TXN_OPS):
             self._apply(chunk, lease)
         self.writes += len(ops)
+        self._usage_at = {u: t for u, t in self._usage_at.items() if u in gpus}
+        self._usage_at.update(dict.fromkeys(written, now))
         return len(ops)
 
     def _apply(self, ops: Sequence[Put | Delete], lease: int) -> None:
@@ -335,17 +363,34 @@ class NodeAgent:
             raise
 
     def _differs(self, kv: KeyValue | None, cls: Any, want: Any, lease: int) -> bool:
-        if kv is None:
+        have = self._published(kv, cls, lease)
+        return have is None or bool(have != want)
+
+    def _gpu_differs(self, kv: KeyValue, want: GpuInfo, lease: int, now: float) -> bool:
+        """Whether to rewrite a GPU's record: a change of the usage readings alone counts once due."""
+        have = self._published(kv, GpuInfo, lease)
+        if have is None:
             return True
+        if replace(have, health=have.health.without_usage()) != replace(want, health=want.health.without_usage()):
+            return True
+        if have.health == want.health or self.usage_interval_s is None:
+            return False
+        written_at = self._usage_at.get(want.uuid)
+        return written_at is None or now - written_at >= self.usage_interval_s
+
+    def _published(self, kv: KeyValue | None, cls: Any, lease: int) -> Any:
+        """The record in ``kv``; None when it must be rewritten (missing, malformed, on another lease)."""
+        if kv is None:
+            return None
         try:
             have = decode(kv.key, kv.value, cls)
         except SchemaError as exc:
             log.warning("node %s: malformed value (%s); rewriting it", self.node, exc)
-            return True
+            return None
         if kv.lease != lease:
             log.warning("node %s: %s is not attached to lease %x (written by hand?); rewriting it", self.node, kv.key, lease)
-            return True
-        return bool(have != want)
+            return None
+        return have
 
     def _check_claim(self, kv: KeyValue, first: bool) -> None:
         """The node key is on another lease: take it over, or raise when another agent owns it.

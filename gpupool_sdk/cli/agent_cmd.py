@@ -15,6 +15,7 @@ the leases, one TTL later.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import socket
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import click
 
-from gpupool_sdk.agent.agent import NodeAgent, run_agents
+from gpupool_sdk.agent.agent import DEFAULT_USAGE_INTERVAL_S, NodeAgent, run_agents
 from gpupool_sdk.agent.signals import install_stop_handlers
 from gpupool_sdk.cli.common import (
     endpoints_option,
@@ -59,6 +60,19 @@ def _host_node_name() -> str:
     """The short host name, as a valid node name."""
     name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0]).strip("-._")
     return name or "node"
+
+
+def _usage_interval(text: str) -> float | None:
+    """``--usage-interval``: seconds >= 0, or ``never`` (None)."""
+    if text.strip().lower() == "never":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and math.isfinite(value)):
+        raise click.BadParameter(f"must be a number of seconds >= 0 or 'never', got {text!r}", param_hint="--usage-interval")
+    return value
 
 
 def _backends(
@@ -107,6 +121,16 @@ def _backends(
 @click.option("--refresh", "refresh_s", type=float, default=DEFAULT_REFRESH_S, show_default=True, help="Seconds between health refreshes.")
 @click.option("--ttl", "ttl_s", type=float, default=None, help="Lease TTL in seconds (default $GPUPOOL_LEASE_TTL or 10).")
 @click.option(
+    "--usage-interval",
+    "usage_interval",
+    default=str(DEFAULT_USAGE_INTERVAL_S),
+    show_default=True,
+    metavar="SECONDS|never",
+    help="Rewrite a GPU's etcd record for a change of its usage readings alone (utilisation, memory bandwidth, "
+    "PCIe/NVLink) at most this often; 0: on every change; never: only along with other changes. "
+    "The --metrics-port series carry every refresh's readings.",
+)
+@click.option(
     "--max-temperature",
     "max_temperature_c",
     type=float,
@@ -125,7 +149,8 @@ def _backends(
     "without it, the agent refuses to start.",
 )
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-              help="Serve the agent's per-GPU metrics (health, memory, temperature, ECC, XID) on this port.")
+              help="Serve the agent's per-GPU metrics (health, memory, temperature, ECC, XID, utilisation, "
+              "PCIe/NVLink throughput) on this port.")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True, envvar="GPUPOOL_METRICS_ADDR", show_envvar=True,
               help="Address the metrics port binds (127.0.0.1: this machine only).")
 @click.option("--mps", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
@@ -139,6 +164,7 @@ def agent(
     fault_file: str | None,
     refresh_s: float,
     ttl_s: float | None,
+    usage_interval: str,
     max_temperature_c: float,
     endpoints: str | None,
     security: EtcdSecurity,
@@ -172,6 +198,7 @@ def agent(
         raise click.BadParameter(str(exc), param_hint="--max-temperature") from None
     if not refresh_s > 0:
         raise click.BadParameter(f"must be a positive number of seconds, got {refresh_s}", param_hint="--refresh")
+    usage_interval_s = _usage_interval(usage_interval)
 
     backends = _backends(node, simulate, fault_file, thresholds)
     from gpupool_sdk.agent.mps import with_mps
@@ -208,7 +235,9 @@ def agent(
     metrics = None
     try:
         agents = [
-            NodeAgent(store, b, timing, refresh_interval_s=refresh_s, wake=wake, take_over=take_over) for b in backends
+            NodeAgent(store, b, timing, refresh_interval_s=refresh_s, wake=wake, take_over=take_over,
+                      usage_interval_s=usage_interval_s)
+            for b in backends
         ]
         if metrics_port is not None:
             from gpupool_sdk.telemetry.agent_metrics import serve_agent_metrics

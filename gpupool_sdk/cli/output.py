@@ -21,15 +21,47 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import click
 
+from gpupool_sdk.resources.units import format_size
+
 OUTPUT_FORMATS = ("table", "wide", "json", "yaml")
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+#: Columns of a GPU's device readings (:meth:`~gpupool_sdk.resources.GpuHealth.readings`), in :func:`reading_cells` order.
+READING_COLUMNS = ("DEV UTIL", "MEM BW", "DEV MEM", "PCIE TX/RX", "NVLINK TX/RX", "TEMP", "POWER")
+
+
+def reading_cells(readings: Mapping[str, Any]) -> list[str]:
+    """The cells of :data:`READING_COLUMNS` for one GPU's readings; ``-`` where unknown.
+
+    Example:
+        >>> reading_cells({"utilization": 0.5, "pcie_rx_bytes_per_s": 2 * 1024**3, "power_w": 300.0})
+        ['50%', '-', '-', '-/2.0GiB/s', '-', '-', '300W']
+    """
+    def pct(key: str) -> str:
+        v = readings.get(key)
+        return "-" if v is None else f"{100 * v:.0f}%"
+
+    def size(v: Any, suffix: str = "") -> str:
+        return "-" if v is None else format_size(v) + suffix
+
+    def pair(kind: str) -> str:
+        tx, rx = readings.get(f"{kind}_tx_bytes_per_s"), readings.get(f"{kind}_rx_bytes_per_s")
+        return "-" if tx is None and rx is None else f"{size(tx, '/s')}/{size(rx, '/s')}"
+
+    def num(key: str, unit: str) -> str:
+        v = readings.get(key)
+        return "-" if v is None else f"{v:.0f}{unit}"
+
+    return [pct("utilization"), pct("memory_bandwidth_utilization"), size(readings.get("memory_used_bytes")),
+            pair("pcie"), pair("nvlink"), num("temperature_c", "C"), num("power_w", "W")]
 
 
 def output_option(f: F) -> F:

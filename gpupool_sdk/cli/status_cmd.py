@@ -23,12 +23,14 @@ from gpupool_sdk.cli.common import (
     watch_option,
 )
 from gpupool_sdk.cli.output import (
+    READING_COLUMNS,
     TableSpec,
     emit_document,
     is_terminal,
     no_headers_option,
     output_option,
     print_sections,
+    reading_cells,
 )
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.resources import GpuInfo, JobState, format_size
@@ -169,6 +171,8 @@ def status_dict(state: PoolState) -> dict[str, Any]:
                 "mig_profile": g.mig_profile,
                 "mig_parent": g.mig_parent,
                 "sharing": sharing_mechanism(g, holders.get(g.uuid, []), state.timeslice_members.get(g.uuid, ())),
+                # the agent's last published readings: usage ones up to its --usage-interval old
+                "readings": g.health.readings(),
             }
         )
     node_names = sorted(set(state.nodes) | {g.node for g in snap.gpus.values()} | set(snap.draining))
@@ -274,9 +278,10 @@ def sections(state: PoolState, endpoint: str) -> list[TableSpec | str]:
     parts.append(nodes if d["nodes"] else "no nodes: start `gpupool agent` on each GPU machine")
 
     gpus = TableSpec(
-        ["NODE", "IDX", "UUID", "MODEL", "MEMORY", "USED", "JOBS", "SHARING", "HEALTH", "SCHED", "ISLAND", "SIMULATED"],
+        ["NODE", "IDX", "UUID", "MODEL", "MEMORY", "USED", "JOBS", "SHARING", "HEALTH", "SCHED", *READING_COLUMNS,
+         "ISLAND", "SIMULATED"],
         [], "GPUs",
-        wide=frozenset({"ISLAND", "SIMULATED"}),
+        wide=frozenset({"ISLAND", "SIMULATED", *READING_COLUMNS[1:]}),
     )
     for g in d["gpus"]:
         health = "ok" if g["healthy"] else "UNHEALTHY: " + "; ".join(g["health_reasons"])
@@ -287,7 +292,7 @@ def sections(state: PoolState, endpoint: str) -> list[TableSpec | str]:
         gpus.rows.append([
             g["node"], str(g["index"]), g["uuid"], g["model"] + (f" MIG {g['mig_profile']}" if g["mig_profile"] else ""),
             format_size(g["memory_bytes"]), format_size(g["used_memory_bytes"]), ",".join(g["jobs"]) or "-", g["sharing"],
-            health, sched,
+            health, sched, *reading_cells(g["readings"]),
             "-" if g["nvlink_island"] is None else str(g["nvlink_island"]), "yes" if g["simulated"] else "no",
         ])
     if d["gpus"]:

@@ -26,12 +26,14 @@ from gpupool_sdk.cli.common import (
     watch_option,
 )
 from gpupool_sdk.cli.output import (
+    READING_COLUMNS,
     TableSpec,
     emit_document,
     is_terminal,
     no_headers_option,
     output_option,
     print_sections,
+    reading_cells,
 )
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import format_size
@@ -175,7 +177,8 @@ def top_sections(doc: dict[str, Any]) -> Sections:
     """The ``top`` document as a line and two tables (jobs, GPUs).
 
     Wide-only columns (``-o wide``): the jobs' owner, priority, step and telemetry age; the GPUs'
-    UUID and health reasons.
+    UUID, health reasons and the agent's device readings other than ``DEV UTIL`` (memory
+    bandwidth, device memory used, PCIe and NVLink TX/RX, temperature, power).
     """
     leader = doc["leader"]
     head = f"leader: {leader['id']} (term {leader['term']})" if leader else "leader: none"
@@ -206,8 +209,10 @@ def top_sections(doc: dict[str, Any]) -> Sections:
             _num(r["cost_usd_per_hour"]),
         ])
     gpus = TableSpec(
-        ["GPU", "UUID", "MODEL", "HEALTH", "MEM ALLOC/TOTAL", "MEM USED", "COMPUTE", "UTIL", "JOBS", "HEALTH REASONS"],
-        [], "gpus", wide=frozenset({"UUID", "HEALTH REASONS"}),
+        ["GPU", "UUID", "MODEL", "HEALTH", "MEM ALLOC/TOTAL", "MEM USED", "COMPUTE", "UTIL", *READING_COLUMNS, "JOBS",
+         "HEALTH REASONS"],
+        [], "gpus (MEM USED, UTIL: the jobs' own figures; DEV ...: the agent's reading of the whole device)",
+        wide=frozenset({"UUID", "HEALTH REASONS", *READING_COLUMNS[1:]}),
     )
     for g in doc["gpus"]:
         health = "ok" if g["healthy"] else "UNHEALTHY"
@@ -222,6 +227,7 @@ def top_sections(doc: dict[str, Any]) -> Sections:
             _size(g["memory_used_bytes"]),
             _pct(g["compute_allocated"]),
             _pct(g["util"]),
+            *reading_cells(g["readings"]),
             ",".join(g["jobs"]) or "-",
             "; ".join(g["health_reasons"]) or "-",
         ])

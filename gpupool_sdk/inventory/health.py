@@ -11,7 +11,9 @@ Rules (a GPU is unhealthy when any holds; every one that holds is a reason):
   data-centre parts start hardware slowdown a few degrees above it).
 - **GPU lost**: NVML reported the GPU as lost (fallen off the bus).
 
-Power draw is reported, not judged: a GPU at its power cap is busy, not broken.
+Power draw and the usage readings (utilisation, memory-bandwidth utilisation, memory used,
+PCIe and NVLink throughput) are reported, not judged: a GPU at its power cap or at 100 % is
+busy, not broken.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.resources.gpu import GpuHealth
+from gpupool_sdk.resources.gpu import USAGE_FIELDS, GpuHealth
 
 #: XID codes that make a GPU unusable until it is reset or serviced, with their meaning.
 FATAL_XIDS: Mapping[int, str] = {
@@ -74,6 +76,13 @@ class HealthSample:
         ecc_double_bit: volatile uncorrectable ECC error count.
         xids: XID codes seen (accumulated by the backend).
         lost: NVML reported the GPU as lost.
+        utilization: fraction of time a kernel ran (0-1).
+        memory_bandwidth_utilization: fraction of time device memory was read or written (0-1).
+        memory_used_bytes: device memory in use.
+        pcie_tx_bytes_per_s: PCIe throughput, GPU to host.
+        pcie_rx_bytes_per_s: PCIe throughput, host to GPU.
+        nvlink_tx_bytes_per_s: NVLink data sent over all links.
+        nvlink_rx_bytes_per_s: NVLink data received over all links.
     """
 
     temperature_c: float | None = None
@@ -81,6 +90,13 @@ class HealthSample:
     ecc_double_bit: int | None = None
     xids: tuple[int, ...] = ()
     lost: bool = False
+    utilization: float | None = None
+    memory_bandwidth_utilization: float | None = None
+    memory_used_bytes: int | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlink_tx_bytes_per_s: float | None = None
+    nvlink_rx_bytes_per_s: float | None = None
 
 
 def judge_health(sample: HealthSample, thresholds: HealthThresholds | None = None) -> GpuHealth:
@@ -116,4 +132,5 @@ def judge_health(sample: HealthSample, thresholds: HealthThresholds | None = Non
         power_w=sample.power_w,
         ecc_double_bit=sample.ecc_double_bit,
         xids=tuple(sorted(set(sample.xids))),
+        **{name: getattr(sample, name) for name in USAGE_FIELDS},
     )

@@ -20,9 +20,22 @@ What is read, and when:
 - **On every refresh** (health): temperature, power, volatile uncorrectable ECC count, and XID
   events drained from an event set with a 0 ms wait. Fatal XIDs are remembered until the agent
   restarts (a fatal XID needs a GPU reset, after which the agent is restarted anyway).
+- **On every refresh** (usage, reported and never judged; one NVML call per metric per GPU):
+  SM and memory-controller utilisation (``nvmlDeviceGetUtilizationRates``: ``.gpu``, ``.memory``
+  percent, as ratios), memory used (``nvmlDeviceGetMemoryInfo().used``), and one
+  ``nvmlDeviceGetFieldValues`` call for the byte counters: ``NVML_FI_DEV_PCIE_COUNT_TX/RX_BYTES``
+  and, on a GPU with an active NVLink link, ``NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX`` (KiB,
+  summed over all links: scope ``UINT_MAX``). A rate is the difference of two readings over the
+  difference of the timestamps NVML puts on them, so the first refresh has none, and neither has a
+  refresh after a counter went backwards (driver reload, wrap). Where the PCIe counters are not
+  supported (older drivers) PCIe falls back to ``nvmlDeviceGetPcieThroughput`` TX and RX
+  (KB/s, taken as KiB/s): one call per direction, each sampling 20 ms, so 40 ms per GPU per
+  refresh. A pynvml without the NVLink throughput fields leaves NVLink unknown. A MIG-enabled GPU's
+  instances carry no usage readings (NVML's figures are the whole GPU's).
 
 Every NVML call that a GPU does not support (``NotSupported``, ``FunctionNotFound``,
-``NoPermission``) leaves that one field unknown; a GPU that NVML reports lost is unhealthy.
+``NoPermission``) leaves that one field unknown; any other error leaves it unknown too and is
+warned about once per GPU and field; a GPU that NVML reports lost is unhealthy.
 
 ``nvlink_island``: islands are the connected components of the NVLink graph, numbered in the
 order of their lowest device index; a GPU with no NVLink has None. ``nvlink_peers``: GPUs with
@@ -60,6 +73,9 @@ _ERR_FUNCTION_NOT_FOUND = 13
 _ERR_GPU_IS_LOST = 15
 _UNSUPPORTED = frozenset({_ERR_NOT_SUPPORTED, _ERR_NO_PERMISSION, _ERR_FUNCTION_NOT_FOUND})
 _MAX_EVENTS_PER_REFRESH = 256
+_ALL_LINKS = 0xFFFFFFFF  # scope id of an NVLink throughput field: the sum over every link
+# nvmlValue_t member by nvmlValueType_t (NVML_VALUE_TYPE_DOUBLE = 0 ... UNSIGNED_SHORT = 6).
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 # CUDA cores per SM by compute capability major.minor (for the NumGpuCores fallback).
 _CORES_PER_SM = {"7.0": 64, "7.2": 64, "7.5": 64, "8.0": 64, "8.6": 128, "8.7": 128, "8.9": 128, "9.0": 128}
@@ -147,7 +163,9 @@ class NvmlBackend:
                     log.warning("GPU %d cannot be read through NVML (%s); it is not published", i, exc)
             if not self._devices:
                 raise NvmlUnavailableError(f"none of the {count} GPU(s) NVML lists can be read")
+            self._nvlink_links: set[int] = set()  # positions of GPUs with an active NVLink link
             self._peers, self._islands = self._nvlink_topology()
+            self._counters: dict[tuple[str, str], tuple[int, int]] = {}  # (uuid, counter) -> (value, µs)
             self._pcie_paths = self._pcie_groups()
             self._xids: dict[str, set[int]] = {d.uuid: set() for d in self._devices}
             self._event_set = self._register_xid_events()
@@ -176,12 +194,12 @@ class NvmlBackend:
         self._drain_xid_events()
         out = []
         for d in self._devices:
-            sample = self._sample(d)
+            instances = self._mig_instances(d)
+            sample = self._sample(d, usage=instances is None)
             health = judge_health(sample, self._thresholds)
             peers = tuple(self._devices[j].uuid for j in sorted(self._peers[d.pos]))
             island = self._islands[d.pos]
             info = self._info(d, peers, island, health)
-            instances = self._mig_instances(d)
             if instances is None:
                 out.append(info)
             else:
@@ -316,6 +334,7 @@ class NvmlBackend:
                     break  # no such link (InvalidArgument) or no NVLink at all (NotSupported)
                 if state != getattr(nv, "NVML_FEATURE_ENABLED", 1):
                     continue
+                self._nvlink_links.add(d.pos)
                 remote = self._opt(d.uuid, "nvlink_remote_pci", lambda d=d, link=link: nv.nvmlDeviceGetNvLinkRemotePciInfo(d.handle, link))
                 remote_bus = _bus_id(remote) if remote is not None else ""
                 if remote_bus in by_bus and by_bus[remote_bus] != d.pos:
@@ -336,6 +355,7 @@ class NvmlBackend:
                     if status is not None and status == p2p_ok:
                         peers[a.pos].add(b.pos)
                         peers[b.pos].add(a.pos)
+        self._nvlink_links.update(i for i in range(n) if peers[i])
         islands: list[int | None] = [None] * n
         next_island = 0
         for start in range(n):
@@ -414,7 +434,7 @@ class NvmlBackend:
             else:
                 log.warning("XID %d from a device NVML could not name", xid)
 
-    def _sample(self, d: _Device) -> HealthSample:
+    def _sample(self, d: _Device, usage: bool = True) -> HealthSample:
         nv = self._nvml
         lost = False
 
@@ -440,13 +460,82 @@ class NvmlBackend:
                 getattr(nv, "NVML_VOLATILE_ECC", 0),
             ),
         )
+        readings: dict[str, Any] = {}
+        if usage and not lost:
+            util = read("utilization", lambda: nv.nvmlDeviceGetUtilizationRates(d.handle))
+            if util is not None:
+                readings["utilization"] = _ratio(util.gpu)
+                readings["memory_bandwidth_utilization"] = _ratio(util.memory)
+            mem = read("memory_used", lambda: nv.nvmlDeviceGetMemoryInfo(d.handle))
+            if mem is not None:
+                readings["memory_used_bytes"] = int(mem.used)
+            readings.update(self._throughput(d, read))
         return HealthSample(
             temperature_c=float(temp) if temp is not None else None,
             power_w=round(float(power_mw) / 1000.0, 1) if power_mw is not None else None,
             ecc_double_bit=int(ecc) if ecc is not None else None,
             xids=tuple(sorted(self._xids.get(d.uuid, ()))),
             lost=lost,
+            **readings,
         )
+
+    def _throughput(self, d: _Device, read: Any) -> dict[str, float | None]:
+        """PCIe and NVLink bytes/s from one ``nvmlDeviceGetFieldValues`` call (PCIe: else the 20 ms call)."""
+        nv = self._nvml
+        # name -> (field id, scope id, bytes per counter unit)
+        wanted: dict[str, tuple[int, int, int]] = {}
+        for name, attr in (("pcie_tx", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES"), ("pcie_rx", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES")):
+            fid = getattr(nv, attr, None)
+            if fid is not None:
+                wanted[name] = (int(fid), 0, 1)
+        if d.pos in self._nvlink_links:
+            for name, attr in (("nvlink_tx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"), ("nvlink_rx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX")):
+                fid = getattr(nv, attr, None)
+                if fid is not None:
+                    wanted[name] = (int(fid), _ALL_LINKS, 1024)  # KiB
+        values = None
+        if wanted and hasattr(nv, "nvmlDeviceGetFieldValues"):
+            values = read("field_values", lambda: nv.nvmlDeviceGetFieldValues(d.handle, [(f, sc) for f, sc, _ in wanted.values()]))
+        out: dict[str, float | None] = {}
+        counted: set[str] = set()
+        for i, (name, (_, _, unit)) in enumerate(wanted.items()):
+            v = values[i] if values is not None and i < len(values) else None
+            raw = self._field_value(d.uuid, name, v) if v is not None else None
+            if raw is None:
+                self._counters.pop((d.uuid, name), None)
+                continue
+            counted.add(name)
+            stamp = int(getattr(v, "timestamp", 0) or 0) or int(time.monotonic() * 1e6)
+            out[f"{name}_bytes_per_s"] = self._rate(d.uuid, name, raw, stamp, unit)
+        if "pcie_tx" not in counted or "pcie_rx" not in counted:
+            # No PCIe byte counters: the throughput call samples a 20 ms window per direction, in KB/s.
+            for name, attr, default in (("pcie_tx", "NVML_PCIE_UTIL_TX_BYTES", 0), ("pcie_rx", "NVML_PCIE_UTIL_RX_BYTES", 1)):
+                counter = getattr(nv, attr, default)
+                kb_s = read(name, lambda counter=counter: nv.nvmlDeviceGetPcieThroughput(d.handle, counter))
+                out[f"{name}_bytes_per_s"] = float(kb_s) * 1024.0 if kb_s is not None else None
+        return out
+
+    def _field_value(self, uuid: str, name: str, v: Any) -> int | None:
+        """The counter in one ``nvmlFieldValue_t``; None when NVML could not read that field."""
+        ret = int(getattr(v, "nvmlReturn", 0) or 0)
+        if ret != 0:
+            if ret not in _UNSUPPORTED:
+                self._warn_once(uuid, f"{name}_counter", self._nvml.NVMLError(ret))
+            return None
+        vt = int(getattr(v, "valueType", 3))
+        member = _VALUE_MEMBERS[vt] if 0 <= vt < len(_VALUE_MEMBERS) else "ullVal"
+        return int(getattr(v.value, member))
+
+    def _rate(self, uuid: str, name: str, value: int, stamp_us: int, unit: int) -> float | None:
+        """Bytes/s between this counter reading and the last; None for the first or after a reset."""
+        prev = self._counters.get((uuid, name))
+        self._counters[(uuid, name)] = (value, stamp_us)
+        if prev is None:
+            return None
+        dv, dt = value - prev[0], stamp_us - prev[1]
+        if dv < 0 or dt <= 0:
+            return None
+        return dv * unit / (dt / 1e6)
 
     # -------------------------------------------------------------------------------- helpers
 
@@ -541,6 +630,10 @@ def nvml_available(nvml: Any = None) -> bool:
     finally:
         with contextlib.suppress(Exception):
             nv.nvmlShutdown()
+
+
+def _ratio(percent: Any) -> float:
+    return min(1.0, max(0.0, float(percent) / 100.0))
 
 
 def _text(value: Any) -> str:

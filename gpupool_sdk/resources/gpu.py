@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from gpupool_sdk.errors import SpecError
 from gpupool_sdk.resources._fields import opt, req, strings
 from gpupool_sdk.resources.units import format_size
 
@@ -20,9 +21,22 @@ def mig_feature(profile: str) -> str:
     return MIG_PROFILE_PREFIX + profile
 
 
+#: The per-GPU usage readings of :class:`GpuHealth`: fast-moving figures, reported and never judged.
+USAGE_FIELDS = (
+    "utilization",
+    "memory_bandwidth_utilization",
+    "memory_used_bytes",
+    "pcie_tx_bytes_per_s",
+    "pcie_rx_bytes_per_s",
+    "nvlink_tx_bytes_per_s",
+    "nvlink_rx_bytes_per_s",
+)
+_RATIOS = frozenset({"utilization", "memory_bandwidth_utilization"})
+
+
 @dataclass(frozen=True)
 class GpuHealth:
-    """The agent's health verdict for one GPU.
+    """The agent's health verdict for one GPU, with its last readings.
 
     Attributes:
         healthy: False when any reason below makes the GPU unusable.
@@ -31,6 +45,21 @@ class GpuHealth:
         power_w: last power draw, if known.
         ecc_double_bit: volatile double-bit ECC error count, if the GPU reports it.
         xids: recent XID event codes seen by the agent.
+        utilization: fraction (0-1) of the last sample period in which a kernel ran on the
+            device (NVML's ``utilization.gpu``), whoever ran it; None when unknown.
+        memory_bandwidth_utilization: fraction (0-1) of the period the device memory was
+            being read or written (NVML's ``utilization.memory``).
+        memory_used_bytes: device memory in use by every process (and the driver).
+        pcie_tx_bytes_per_s: PCIe throughput from the GPU to the host.
+        pcie_rx_bytes_per_s: PCIe throughput from the host to the GPU.
+        nvlink_tx_bytes_per_s: NVLink data sent, summed over the GPU's links (None on a GPU
+            without NVLink).
+        nvlink_rx_bytes_per_s: NVLink data received, summed over the GPU's links.
+
+    The usage readings (:data:`USAGE_FIELDS`) are None when the agent cannot read them (simulated
+    GPUs, MIG instances, unsupported calls) and are written to a record only when known. The node
+    agent publishes a change of them alone at most once per ``usage_interval_s``
+    (:class:`~gpupool_sdk.agent.NodeAgent`): a published figure can be that old.
     """
 
     healthy: bool = True
@@ -39,15 +68,43 @@ class GpuHealth:
     power_w: float | None = None
     ecc_double_bit: int | None = None
     xids: tuple[int, ...] = ()
+    utilization: float | None = None
+    memory_bandwidth_utilization: float | None = None
+    memory_used_bytes: int | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlink_tx_bytes_per_s: float | None = None
+    nvlink_rx_bytes_per_s: float | None = None
+
+    def readings(self) -> dict[str, float | int | None]:
+        """Temperature, power and the usage readings by field name (None: unknown), as the CLI shows them."""
+        return {name: getattr(self, name) for name in ("temperature_c", "power_w", *USAGE_FIELDS)}
+
+    def without_usage(self) -> GpuHealth:
+        """This verdict with every usage reading unknown (what the agent's change test compares)."""
+        unknown: dict[str, Any] = dict.fromkeys(USAGE_FIELDS)
+        return replace(self, **unknown)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["reasons"] = list(self.reasons)
         d["xids"] = list(self.xids)
+        # Written only when known, so a record without readings is unchanged from older releases.
+        for name in USAGE_FIELDS:
+            if d[name] is None:
+                del d[name]
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "health") -> GpuHealth:
+        usage: dict[str, Any] = {}
+        for name in USAGE_FIELDS:
+            value = opt(d, name, int if name == "memory_used_bytes" else float, where, None)
+            if value is not None and value < 0:
+                raise SpecError(f"{where}.{name}", f"must not be negative, got {value!r}")
+            if value is not None and name in _RATIOS and value > 1:
+                raise SpecError(f"{where}.{name}", f"must be a ratio between 0 and 1, got {value!r}")
+            usage[name] = value
         return cls(
             healthy=req(d, "healthy", bool, where),
             reasons=tuple(opt(d, "reasons", list, where, [])),
@@ -55,6 +112,7 @@ class GpuHealth:
             power_w=opt(d, "power_w", float, where, None),
             ecc_double_bit=opt(d, "ecc_double_bit", int, where, None),
             xids=tuple(opt(d, "xids", list, where, [])),
+            **usage,
         )
 
 

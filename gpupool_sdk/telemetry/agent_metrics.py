@@ -1,7 +1,10 @@
-"""The node agent's metrics: per-GPU health, memory, temperature, power, ECC and XID.
+"""The node agent's metrics: per-GPU health, memory, temperature, power, ECC, XID and usage.
 
 :class:`AgentMetrics` reads what each :class:`~gpupool_sdk.agent.agent.NodeAgent` of the process
-read at its last refresh (no NVML call per scrape). GPU series carry dcgm-exporter's labels
+read at its last refresh (no NVML call per scrape). The usage series (utilisation, memory
+bandwidth, memory used, PCIe and NVLink bytes/s) are exported only for GPUs whose reading is known:
+a simulated GPU, a MIG instance or an unsupported call gives no series rather than a 0. They are
+every refresh's readings, unlike the GPU records in etcd (see :mod:`gpupool_sdk.agent.agent`). GPU series carry dcgm-exporter's labels
 (``UUID``, ``gpu`` = index, ``Hostname``, ``modelName``) and the pool's ``node``.
 ``gpupool agent --metrics-port 9401 --metrics-addr ADDR`` serves it.
 
@@ -58,6 +61,23 @@ class AgentMetrics(Collector):
         xid = GaugeMetricFamily(
             "gpupool_agent_gpu_xid", "1 for each XID code the agent has seen on the GPU.", labels=[*gl, "xid"]
         )
+        usage = {
+            name: GaugeMetricFamily(metric, help_text, labels=gl)
+            for name, metric, help_text in (
+                ("utilization", "gpupool_agent_gpu_utilization_ratio",
+                 "Fraction of the last sample period a kernel ran on the GPU (any process; NVML utilization.gpu)."),
+                ("memory_bandwidth_utilization", "gpupool_agent_gpu_memory_bandwidth_utilization_ratio",
+                 "Fraction of the last sample period device memory was read or written (NVML utilization.memory)."),
+                ("memory_used_bytes", "gpupool_agent_gpu_memory_used_bytes",
+                 "Device memory in use by every process on the GPU."),
+                ("pcie_tx_bytes_per_s", "gpupool_agent_gpu_pcie_tx_bytes_per_second", "PCIe throughput, GPU to host."),
+                ("pcie_rx_bytes_per_s", "gpupool_agent_gpu_pcie_rx_bytes_per_second", "PCIe throughput, host to GPU."),
+                ("nvlink_tx_bytes_per_s", "gpupool_agent_gpu_nvlink_tx_bytes_per_second",
+                 "NVLink data sent, summed over the GPU's links."),
+                ("nvlink_rx_bytes_per_s", "gpupool_agent_gpu_nvlink_rx_bytes_per_second",
+                 "NVLink data received, summed over the GPU's links."),
+            )
+        }
         for a in self._agents:
             info = a.last_node_info
             host = info.hostname if info is not None else None
@@ -77,7 +97,12 @@ class AgentMetrics(Collector):
                     ecc.add_metric(lv, h.ecc_double_bit)
                 for code in h.xids:
                     xid.add_metric([*lv, str(code)], 1)
+                for name, family in usage.items():
+                    value = getattr(h, name)
+                    if value is not None:
+                        family.add_metric(lv, value)
         yield from (nodes, registered, refreshes, registrations, healthy, mem, temp, power, ecc, xid)
+        yield from usage.values()
 
 
 def serve_agent_metrics(agents: Sequence[Any], port: int, addr: str) -> MetricsServer:

@@ -130,6 +130,8 @@ def gpu_rows(view: PoolView) -> list[dict[str, Any]]:
                 # max, not sum: without per-process NVML samples each job reports the whole device's
                 "util": max(utils) if utils else None,
                 "jobs": sorted(a.job for a in allocs),
+                # the agent's reading of the whole device (any process), usage up to its --usage-interval old
+                "readings": g.health.readings(),
             }
         )
     return rows

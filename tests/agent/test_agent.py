@@ -68,6 +68,66 @@ def test_refresh_rewrites_only_changed_gpus(store, agents):
     assert not g.healthy and g.health.reasons == ("test",)
 
 
+USAGE = {"utilization": 0.5, "memory_bandwidth_utilization": 0.2, "memory_used_bytes": 7 << 30, "pcie_tx_bytes_per_s": 1e9}
+
+
+def _busy(a, uuid, **kw):
+    """Give a simulated GPU usage readings, keeping its other readings."""
+    g = next(g for g in a.backend.gpus() if g.uuid == uuid)
+    a.backend.set_health(uuid, dataclasses.replace(g.health, **{**USAGE, **kw}))
+
+
+def _published(store, uuid):
+    return store.get_record(store.keys.gpu("n", uuid), GpuInfo)[0].health
+
+
+def test_usage_readings_alone_do_not_rewrite_keys(store, agents):
+    # Utilisation and bandwidth move on every refresh; the coordinator wakes on every GPU write.
+    clock = [1000.0]
+    a = make(store, agents, usage_interval_s=60.0, clock=lambda: clock[0])
+    a.start()
+    before = keys_of(store)
+    _busy(a, "GPU-sim-n-2")
+    clock[0] += 59.0
+    assert a.refresh() == 0
+    assert keys_of(store) == before
+    assert a.last_gpus[2].health.utilization == 0.5  # the agent's metrics see every reading
+    assert _published(store, "GPU-sim-n-2").utilization is None
+    # a change that is written anyway carries the latest readings along
+    _busy(a, "GPU-sim-n-2", utilization=0.9, healthy=False, reasons=("test",))
+    assert a.refresh() == 1
+    h = _published(store, "GPU-sim-n-2")
+    assert (h.healthy, h.utilization, h.memory_used_bytes) == (False, 0.9, 7 << 30)
+
+
+def test_usage_readings_are_republished_once_per_interval(store, agents):
+    clock = [1000.0]
+    a = make(store, agents, usage_interval_s=60.0, clock=lambda: clock[0])
+    a.start()
+    _busy(a, "GPU-sim-n-1")
+    clock[0] += 30.0
+    assert a.refresh() == 0
+    clock[0] += 30.0  # the readings published at start are now one interval old
+    assert a.refresh() == 1
+    assert _published(store, "GPU-sim-n-1").utilization == 0.5
+    _busy(a, "GPU-sim-n-1", utilization=0.6)
+    clock[0] += 59.0
+    assert a.refresh() == 0
+    clock[0] += 1.0
+    assert a.refresh() == 1
+    assert a.refresh() == 0  # unchanged readings are never rewritten, however old
+    clock[0] += 600.0
+    assert a.refresh() == 0
+
+
+@pytest.mark.parametrize(("interval", "writes"), [(None, 0), (0.0, 1)])
+def test_usage_interval_none_never_and_zero_always(store, agents, interval, writes):
+    a = make(store, agents, usage_interval_s=interval)
+    a.start()
+    _busy(a, "GPU-sim-n-0")
+    assert a.refresh() == writes
+
+
 def _claim(store, lease: int, host: str, pid: int) -> None:
     store.put(store.keys.node("n"), NodeInfo("n", host, pid, 9, "simulated", 0.0), lease=lease)
     store.put(store.keys.gpu("n", "GPU-gone"), b"{}", lease=lease)
@@ -201,6 +261,14 @@ def test_publishable_rounds_noisy_readings():
     noisy = GpuInfo(**{**g.__dict__, "health": GpuHealth(temperature_c=40.4, power_w=71.9)})
     p = publishable(noisy)
     assert (p.health.temperature_c, p.health.power_w) == (40.0, 70.0)
+
+
+@pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), "60", True])
+def test_bad_usage_interval(store, bad):
+    (b,) = simulated_backends("n:1xT4")
+    with pytest.raises(ConfigError) as e:
+        NodeAgent(store, b, TIMING, usage_interval_s=bad)
+    assert e.value.field == "usage_interval_s"
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), True])

@@ -228,6 +228,8 @@ def test_no_gpu_and_no_simulate_says_to_simulate():
         (["--simulate", "8xH100:nvlink=3x3"], "must equal the GPU count"),
         (["--simulate", "2xT4", "--ttl", "1"], "--ttl"),
         (["--simulate", "2xT4", "--refresh", "0"], "--refresh"),
+        (["--simulate", "2xT4", "--usage-interval", "soon"], "--usage-interval"),
+        (["--simulate", "2xT4", "--usage-interval", "-5"], "--usage-interval"),
         (["--fault-file", "/tmp/x.json"], "--simulate"),
         (["--node", "bad/name", "--simulate", "2xT4"], "--node"),
     ],

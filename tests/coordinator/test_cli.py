@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -63,6 +64,24 @@ def test_status_json_shows_the_pool_and_reports_malformed_keys(store: EtcdStore,
     assert jobs["bert"]["state"] == "GRANTED" and jobs["bert"]["allocations"][0]["gpu_uuid"] == uuids[0]
     assert [q["name"] for q in d["queue"]] == ["waiting"]
     assert {p["key"] for p in d["problems"]} == {store.keys.job_spec("hand-edited"), store.keys.gpu("node-a", "GPU-bad")}
+
+
+def test_status_shows_the_agents_device_readings(store: EtcdStore, gpupool: Run) -> None:
+    gpus = parse_cluster_spec("node-a:2xA100-40GB:pcie")
+    busy = dataclasses.replace(gpus[0].health, utilization=0.37, pcie_rx_bytes_per_s=2.0 * GiB, memory_used_bytes=GiB)
+    publish_gpus(store, [dataclasses.replace(gpus[0], health=busy), gpus[1]])
+    d = json.loads(gpupool("status", "-o", "json").stdout)
+    r0, r1 = (g["readings"] for g in d["gpus"])
+    assert (r0["utilization"], r0["pcie_rx_bytes_per_s"], r0["memory_used_bytes"]) == (0.37, 2.0 * GiB, GiB)
+    assert r1["utilization"] is None and r0["nvlink_tx_bytes_per_s"] is None
+    plain = gpupool("status").stdout
+    header = next(line for line in plain.splitlines() if line.startswith("NODE ") and " IDX " in line)
+    row = next(line for line in plain.splitlines() if line.startswith("node-a ") and " 0 " in line[:12])
+    assert row.index("37%") == header.index("DEV UTIL") and "PCIE TX/RX" not in header
+    wide = gpupool("status", "-o", "wide").stdout
+    header = next(line for line in wide.splitlines() if line.startswith("NODE ") and " IDX " in line)
+    row = next(line for line in wide.splitlines() if line.startswith("node-a ") and " 0 " in line[:12])
+    assert row.index("-/2.0GiB/s") == header.index("PCIE TX/RX")
 
 
 def test_status_table_lists_problems_instead_of_crashing(store: EtcdStore, gpupool: Run, etcdctl: Run) -> None:

@@ -7,16 +7,17 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from testkit import publish_gpus
+from testkit import publish_gpus, wait_for
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import JobSpec
+from gpupool_sdk.resources import GpuInfo, JobSpec
 from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.scheduler.policy import Scheduler
-from gpupool_sdk.scheduler.types import ClusterSnapshot, Queue, SchedulerConfig, ScheduleResult
-from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.scheduler.types import ClusterSnapshot, Grant, Queue, SchedulerConfig, ScheduleResult
+from gpupool_sdk.store import EtcdStore, WatchEvent
+from gpupool_sdk.store.codec import decode
 
 TIMING = LeaseTiming(ttl_s=5, keepalive_interval_s=0.5, retry_timeout_s=1.0)
 
@@ -117,5 +118,91 @@ def test_no_skip_when_time_orders_or_when_off(store: EtcdStore, two_jobs: int, c
         reports = [_cycle(coord) for _ in range(4)]
         assert not any(r.skipped for r in reports)
         assert sched.runs == 4 and coord.stats.skipped == 0
+    finally:
+        coord.election.resign()
+
+
+def test_a_gpu_rewritten_for_its_usage_readings_alone_does_not_wake_the_coordinator(store: EtcdStore) -> None:
+    """The agent republishes utilisation and PCIe/NVLink rates about once a minute per node; that is no news."""
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    publish_gpus(store, [gpu])
+    coord, _ = _coordinator(store, DEFAULT_SCHEDULER)
+    key = store.keys.gpu(gpu.node, gpu.uuid)
+    seen: list[WatchEvent] = []
+    kv = store.get(key)
+    watch = store.watch_prefix(key, seen.extend, start_revision=kv.mod_revision + 1)
+    try:
+        busy = replace(gpu, health=replace(gpu.health, utilization=0.9, pcie_tx_bytes_per_s=1e9))
+        hot = replace(busy, health=replace(busy.health, temperature_c=95.0, healthy=False, reasons=("hot",)))
+        for record in (busy, replace(busy, health=replace(busy.health, utilization=0.1)), hot):
+            store.put(key, record, lease=kv.lease)  # as the agent does, on its own lease
+        wait_for(lambda: len(seen) == 3, what="three watch events")
+        woke = []
+        for e in seen:
+            coord._wake.clear()
+            coord._on_events([e])
+            woke.append(coord._wake.is_set())
+        assert woke == [False, False, True]  # usage readings alone: quiet; a health change: a cycle
+    finally:
+        watch.cancel()
+
+
+def test_usage_readings_alone_do_not_defeat_the_skip(store: EtcdStore, two_jobs: int) -> None:
+    """A GPU rewritten for its usage readings alone is the same scheduler input; a health change is not."""
+    coord, sched = _coordinator(store, DEFAULT_SCHEDULER)
+    try:
+        _cycle(coord)
+        _cycle(coord)
+        assert _cycle(coord).skipped
+        key = next(kv.key for kv in store.get_prefix(store.keys.gpus_prefix("node-a"))[0])
+        kv = store.get(key)
+        gpu = decode(key, kv.value, GpuInfo)
+        for util in (0.5, 0.9):
+            store.put(key, replace(gpu, health=replace(gpu.health, utilization=util, pcie_rx_bytes_per_s=1e9)), lease=kv.lease)
+            assert _cycle(coord).skipped
+        runs = sched.runs
+        store.put(key, replace(gpu, health=replace(gpu.health, temperature_c=55.0)), lease=kv.lease)
+        assert not _cycle(coord).skipped and sched.runs == runs + 1
+        assert _cycle(coord).skipped
+        store.put(key, replace(gpu, health=replace(gpu.health, temperature_c=55.0)), lease=store.grant_lease(60))
+        assert not _cycle(coord).skipped  # a new lease on the same record is news
+    finally:
+        coord.election.resign()
+
+
+def test_the_policy_does_not_read_the_usage_readings(store: EtcdStore, two_jobs: int) -> None:
+    """What lets the skip above ignore them: the same snapshot with busy or idle readings decides the same.
+    A policy that starts reading them must make Coordinator._read count them again."""
+    coord, _ = _coordinator(store, DEFAULT_SCHEDULER)
+    try:
+        snap = coord.read_state(coord.term).snapshot  # a and b pending: a placement to decide
+        busy = {u: replace(g, health=replace(g.health, utilization=1.0, memory_bandwidth_utilization=1.0,
+                                             memory_used_bytes=g.memory_bytes, pcie_rx_bytes_per_s=25e9))
+                for u, g in snap.gpus.items()}
+        policy = Scheduler(replace(DEFAULT_SCHEDULER, etcd_max_txn_ops=128))
+        decided = policy.run(snap)
+        assert any(isinstance(d, Grant) for d in decided.decisions)
+        assert policy.run(replace(snap, gpus=busy)) == decided
+    finally:
+        coord.election.resign()
+
+
+@pytest.mark.parametrize("garbage", [b"{oops", b"[1, 2]", b'{"schema": 1, "v": ' + b"[" * 3000 + b"]" * 3000 + b"}"])
+def test_garbage_under_a_gpu_key_neither_crashes_the_read_nor_hides_a_change(store: EtcdStore, garbage: bytes) -> None:
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    publish_gpus(store, [gpu])
+    coord, _ = _coordinator(store, DEFAULT_SCHEDULER)
+    try:
+        key = store.keys.gpu(gpu.node, gpu.uuid)
+        _cycle(coord)
+        _cycle(coord)
+        store.put(key, garbage)
+        assert not _cycle(coord).skipped
+        prev = store.get(key)
+        store.put(key, garbage + b" ")
+        assert not _cycle(coord).skipped
+        coord._wake.clear()
+        coord._on_events([WatchEvent("put", store.get(key), prev)])  # no exception in the watch thread
+        assert coord._wake.is_set()
     finally:
         coord.election.resign()

@@ -38,6 +38,13 @@ class FakeGpu:
     temperature: float | None = 40.0
     power_mw: int | None = 90_000
     ecc: int | None = 0
+    # usage (None: that call or field is NotSupported on this GPU)
+    util: tuple[int, int] | None = (0, 0)  # nvmlDeviceGetUtilizationRates: (.gpu, .memory) percent
+    memory_used: int = 0
+    pcie_kb_s: tuple[int, int] | None = (0, 0)  # nvmlDeviceGetPcieThroughput: (TX, RX) KB/s
+    pcie_bytes: tuple[int, int] | None = None  # NVML_FI_DEV_PCIE_COUNT_TX/RX_BYTES counters
+    nvlink_kib: tuple[int, int] = (0, 0)  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX counters (all links)
+    usage_error: int | None = None  # an NVML error code every usage call raises (e.g. UNKNOWN)
     lost: bool = False
     unreadable: bool = False  # NVML cannot even read its UUID (lost before the agent started)
     mig_current: int | None = None  # None: MIG NotSupported; 0 off, 1 on
@@ -119,6 +126,30 @@ class _Attrs:
 
 
 @dataclass
+class _Util:
+    gpu: int
+    memory: int
+
+
+@dataclass
+class _Value:
+    ullVal: int = 0
+    uiVal: int = 0
+    dVal: float = 0.0
+
+
+@dataclass
+class _FieldValue:
+    fieldId: int
+    scopeId: int
+    timestamp: int
+    latencyUsec: int
+    valueType: int
+    nvmlReturn: int
+    value: _Value
+
+
+@dataclass
 class _Event:
     device: Any
     eventType: int
@@ -144,6 +175,13 @@ class FakeNvml:
     NVML_TEMPERATURE_GPU = _real.NVML_TEMPERATURE_GPU
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
     NVML_VOLATILE_ECC = _real.NVML_VOLATILE_ECC
+    NVML_PCIE_UTIL_TX_BYTES = _real.NVML_PCIE_UTIL_TX_BYTES
+    NVML_PCIE_UTIL_RX_BYTES = _real.NVML_PCIE_UTIL_RX_BYTES
+    NVML_FI_DEV_PCIE_COUNT_TX_BYTES = _real.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+    NVML_FI_DEV_PCIE_COUNT_RX_BYTES = _real.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: int | None = _real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: int | None = _real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+    NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = _real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 
     def __init__(
         self, gpus: list[FakeGpu], *, init_error: int | None = None, p2p: bool = False, link_api: bool = True
@@ -157,6 +195,9 @@ class FakeNvml:
         self.events: list[_Event] = []
         self.registered: set[int] = set()
         self.event_sets_freed = 0
+        self.clock_us = 1_000_000  # the timestamp NVML stamps on field values (tests move it)
+        self.calls: dict[str, int] = {}  # usage calls made, by function name
+        self.field_ids: list[list[tuple[int, int]]] = []  # the (fieldId, scopeId) lists asked for
 
     # lifecycle
     def nvmlInit(self) -> None:
@@ -186,7 +227,9 @@ class FakeNvml:
         return h.name.encode()  # old pynvml versions return bytes
 
     def nvmlDeviceGetMemoryInfo(self, h: FakeGpu) -> _Mem:
-        return _Mem(total=h.memory_bytes, free=h.memory_bytes, used=0)
+        self.calls["memory"] = self.calls.get("memory", 0) + 1
+        used = h.memory_used if isinstance(h, FakeGpu) else 0
+        return _Mem(total=h.memory_bytes, free=h.memory_bytes - used, used=used)
 
     def nvmlDeviceGetCudaComputeCapability(self, h: FakeGpu) -> tuple[int, int]:
         return h.cc
@@ -268,6 +311,44 @@ class FakeNvml:
         if h.ecc is None:
             raise err(NOT_SUPPORTED)
         return h.ecc
+
+    # usage
+    def _usage(self, name: str, h: FakeGpu) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self._alive(h)
+        if h.usage_error is not None:
+            raise err(h.usage_error)
+
+    def nvmlDeviceGetUtilizationRates(self, h: FakeGpu) -> _Util:
+        self._usage("utilization", h)
+        if h.util is None:
+            raise err(NOT_SUPPORTED)
+        return _Util(*h.util)
+
+    def nvmlDeviceGetPcieThroughput(self, h: FakeGpu, counter: int) -> int:
+        self._usage("pcie_throughput", h)
+        if h.pcie_kb_s is None:
+            raise err(NOT_SUPPORTED)
+        return h.pcie_kb_s[0 if counter == self.NVML_PCIE_UTIL_TX_BYTES else 1]
+
+    def nvmlDeviceGetFieldValues(self, h: FakeGpu, field_ids: list[Any]) -> list[_FieldValue]:
+        self._usage("field_values", h)
+        asked = [(f, 0) if isinstance(f, int) else (int(f[0]), int(f[1])) for f in field_ids]
+        self.field_ids.append(asked)
+        has_nvlink = any(active for active, _ in h.links) and self.link_api
+        counters = {
+            self.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: h.pcie_bytes[0] if h.pcie_bytes is not None else None,
+            self.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: h.pcie_bytes[1] if h.pcie_bytes is not None else None,
+            _real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: h.nvlink_kib[0] if has_nvlink else None,
+            _real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: h.nvlink_kib[1] if has_nvlink else None,
+        }
+        out = []
+        for fid, scope in asked:
+            value = counters.get(fid)
+            ret = NOT_SUPPORTED if value is None else 0
+            out.append(_FieldValue(fid, scope, self.clock_us, 1, self.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, ret,
+                                   _Value(ullVal=value or 0)))
+        return out
 
     # events
     def nvmlEventSetCreate(self) -> str:

@@ -49,3 +49,22 @@ def test_bad_threshold_names_field(bad):
     with pytest.raises(ConfigError) as e:
         HealthThresholds(max_temperature_c=bad)
     assert e.value.field == "max_temperature_c"
+
+
+def test_usage_readings_are_carried_and_never_judged():
+    sample = HealthSample(
+        temperature_c=50.0,
+        utilization=1.0,
+        memory_bandwidth_utilization=0.95,
+        memory_used_bytes=80 * 1024**3,
+        pcie_tx_bytes_per_s=25e9,
+        pcie_rx_bytes_per_s=1e9,
+        nvlink_tx_bytes_per_s=400e9,
+        nvlink_rx_bytes_per_s=390e9,
+    )
+    h = judge_health(sample)
+    assert h.healthy and h.reasons == ()  # a saturated GPU is busy, not broken
+    assert (h.utilization, h.memory_bandwidth_utilization, h.memory_used_bytes) == (1.0, 0.95, 80 * 1024**3)
+    assert (h.pcie_tx_bytes_per_s, h.pcie_rx_bytes_per_s) == (25e9, 1e9)
+    assert (h.nvlink_tx_bytes_per_s, h.nvlink_rx_bytes_per_s) == (400e9, 390e9)
+    assert judge_health(HealthSample()).utilization is None

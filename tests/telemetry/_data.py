@@ -9,11 +9,17 @@ from gpupool_sdk.telemetry.summary import SliceTelemetry, TelemetrySummary
 NOW = 1_800_000_000.0
 
 
+#: what the agent reads on a real, busy GPU (GPU-a0 of :func:`populate`)
+READINGS = {"temperature_c": 63.0, "power_w": 455.0, "utilization": 0.91, "memory_bandwidth_utilization": 0.47,
+            "memory_used_bytes": 52 * GiB, "pcie_tx_bytes_per_s": 1.5 * GiB, "pcie_rx_bytes_per_s": 3 * GiB,
+            "nvlink_tx_bytes_per_s": 120 * GiB, "nvlink_rx_bytes_per_s": 110 * GiB}
+
+
 def gpu(uuid: str = "GPU-a0", node: str = "node-a", index: int = 0, model: str = "H100-80GB",
-        memory_gib: int = 80, healthy: bool = True) -> GpuInfo:
+        memory_gib: int = 80, healthy: bool = True, readings: dict[str, float] | None = None) -> GpuInfo:
     return GpuInfo(
         uuid=uuid, node=node, index=index, model=model, memory_bytes=memory_gib * GiB,
-        health=GpuHealth(healthy=healthy, reasons=() if healthy else ("xid 79",)),
+        health=GpuHealth(healthy=healthy, reasons=() if healthy else ("xid 79",), **(readings or {})),
     )
 
 
@@ -67,7 +73,7 @@ def populate(store: object) -> None:
 
     keys = store.keys  # type: ignore[attr-defined]
     put = store.put  # type: ignore[attr-defined]
-    put(keys.gpu("node-a", "GPU-a0"), gpu("GPU-a0", "node-a", 0))
+    put(keys.gpu("node-a", "GPU-a0"), gpu("GPU-a0", "node-a", 0, readings=READINGS))
     put(keys.gpu("node-a", "GPU-a1"), gpu("GPU-a1", "node-a", 1, healthy=False))
     put(keys.cordon("GPU-a1"), {"by": "ops"})
     put(keys.leader(), LeaderRecord(id="coord-1", term=7, since=NOW - 3600))

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from gpupool_sdk.cli.main import cli
 from gpupool_sdk.store.keyspace import Keyspace
 
-from ._data import populate
+from ._data import READINGS, populate
 
 
 @pytest.fixture
@@ -52,6 +52,28 @@ def test_top_json(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_fil
     # the malformed value is reported (JSON and stderr) and skipped
     assert len(doc["errors"]) == 1 and "telemetry/broken" in doc["errors"][0]
     assert "telemetry/broken" in res.stderr
+
+
+def test_top_shows_the_agents_device_readings(store: Any, etcd_endpoint: str, keyspace: Keyspace) -> None:
+    populate(store)
+    doc = json.loads(_run(["top", "-o", "json"], etcd_endpoint, keyspace).stdout)
+    gpus = {g["gpu"]: g for g in doc["gpus"]}
+    assert gpus["GPU-a0"]["readings"] == READINGS
+    assert set(gpus["GPU-a1"]["readings"]) == set(READINGS) and not any(gpus["GPU-a1"]["readings"].values())
+    out = _run(["top"], etcd_endpoint, keyspace).stdout
+    header = _header(out, "GPU")
+    a0 = next(line for line in out.splitlines() if line.startswith("node-a/0 "))
+    assert a0.index("91%") == header.index("DEV UTIL")  # the device's, whoever runs on it
+    assert "PCIE TX/RX" not in header
+    wide = _run(["top", "-o", "wide"], etcd_endpoint, keyspace).stdout
+    header = _header(wide, "GPU")
+    a0 = next(line for line in wide.splitlines() if line.startswith("node-a/0 "))
+    for column, cell in (("TEMP", "63C"), ("POWER", "455W"), ("MEM BW", "47%"), ("DEV MEM", "52.0GiB"),
+                         ("PCIE TX/RX", "1.5GiB/s/3.0GiB/s"), ("NVLINK TX/RX", "120.0GiB/s/110.0GiB/s")):
+        assert a0.index(cell) == header.index(column), (column, a0)
+    a1 = next(line for line in wide.splitlines() if line.startswith("node-a/1 "))
+    for column in ("DEV UTIL", "PCIE TX/RX", "NVLINK TX/RX"):
+        assert a1[header.index(column)] == "-", column  # unknown (a simulated GPU): a dash, not 0
 
 
 def test_top_table(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:

@@ -139,6 +139,40 @@ def test_agent_exports_per_gpu_health_with_dcgm_labels(store: Any) -> None:
     assert s[("gpupool_agent_node_registered", (("Hostname", host), ("node", "node-m")))] == 0
 
 
+def test_agent_exports_per_gpu_usage_only_where_known(store: Any) -> None:
+    (backend,) = simulated_backends("node-u:2xH100-80GB:nvlink")
+    agent = NodeAgent(store, backend, TIMING, refresh_interval_s=0.2)
+    try:
+        agent.start()
+        g0, g1 = sorted(backend.gpus(), key=lambda g: g.index)
+        backend.set_health(g1.uuid, GpuHealth(
+            utilization=0.87, memory_bandwidth_utilization=0.42, memory_used_bytes=71 << 30,
+            pcie_tx_bytes_per_s=1.5e9, pcie_rx_bytes_per_s=3e9, nvlink_tx_bytes_per_s=120e9, nvlink_rx_bytes_per_s=118e9,
+        ))
+        agent.refresh()
+        s = _scrape(AgentMetrics([agent]))
+    finally:
+        agent.stop(revoke=True)
+    host = agent.last_node_info.hostname if agent.last_node_info else "node-u"
+
+    def labels(g: Any) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted({"node": "node-u", "Hostname": host, "UUID": g.uuid, "gpu": str(g.index),
+                             "modelName": "H100-80GB"}.items()))
+
+    want = {
+        "gpupool_agent_gpu_utilization_ratio": 0.87,
+        "gpupool_agent_gpu_memory_bandwidth_utilization_ratio": 0.42,
+        "gpupool_agent_gpu_memory_used_bytes": float(71 << 30),
+        "gpupool_agent_gpu_pcie_tx_bytes_per_second": 1.5e9,
+        "gpupool_agent_gpu_pcie_rx_bytes_per_second": 3e9,
+        "gpupool_agent_gpu_nvlink_tx_bytes_per_second": 120e9,
+        "gpupool_agent_gpu_nvlink_rx_bytes_per_second": 118e9,
+    }
+    for name, value in want.items():
+        assert s[(name, labels(g1))] == value, name
+        assert (name, labels(g0)) not in s, name  # a simulated GPU has no readings: no series, not a 0
+
+
 def test_resizes_are_counted_apart_from_preemptions() -> None:
     now = 10_000.0
     held = _view("el", "guaranteed", now - 100)
