@@ -50,6 +50,7 @@ from gpupool_sdk.scheduler.health import health_preemptions, unusable_gpus
 from gpupool_sdk.scheduler.horizon import HorizonMemo, running_horizon, time_dependent_order
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.locality import broken_gangs, gang_problem, node_wait_reason
+from gpupool_sdk.scheduler.migrate import MIGRATE_PREFIX, Mover, movable_jobs, plan_migration
 from gpupool_sdk.scheduler.ordering import (
     effective_priority,
     las_level,
@@ -292,6 +293,12 @@ class _Cycle:
     deferred: int = 0
     #: the first instant a pending job considered this cycle reaches ``reserve_after_s`` (see :mod:`.horizon`).
     until: float = math.inf
+    #: jobs that may be moved for fragmentation, per ledger GPU (built at the first search), and
+    #: the jobs moved this cycle.
+    movers: dict[int, list[Mover]] | None = None
+    moved: int = 0
+    #: failed migration searches by request shape: ``ledger.frees`` then (see :meth:`Scheduler._try_migrate`).
+    no_migrate: dict[tuple[object, ...], int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -525,15 +532,17 @@ class Scheduler:
             pkey = shape if las is None else (*shape, las)
             try_balloon = held_for_it or _worth_trying(cyc.no_balloon.get(shape), ledger.frees, prio)
             try_preempt = held_for_it or _worth_trying(cyc.no_preempt.get(pkey), ledger.frees, prio)
+            none_fit = True
             if (try_balloon or try_preempt) and cyc.attempts >= config.max_preemption_attempts:
                 # It may have had a plan: it searches again next cycle, and nothing grows meanwhile.
                 cyc.deferred += 1
                 try_balloon = try_preempt = False
+                none_fit = False  # no migration search either (it comes after them)
             if try_balloon or try_preempt:
                 cyc.attempts += 1
             # A one-slice request that was not placed above: no GPU takes a slice of it now (the
             # ledger is as it was then: a plan tried since was undone), as the searches may assume.
-            none_fit = req.count == 1 and not req.per_node
+            none_fit = none_fit and req.count == 1 and not req.per_node
             if try_balloon and self._try_balloon(cyc, view, req, prio, none_fit):
                 return
             if try_balloon:
@@ -542,6 +551,16 @@ class Scheduler:
                 return
             if try_preempt:
                 cyc.no_preempt[pkey] = _failed(cyc.no_preempt.get(pkey), ledger.frees, prio)
+            # Move a few running shared jobs off one GPU (each fits elsewhere now) to open room there.
+            if (
+                config.migrate_for_fragmentation
+                and none_fit
+                and cyc.moved < config.migrate_max_per_cycle
+                and cyc.actions < config.max_decisions
+                and (held_for_it or cyc.no_migrate.get(shape) != ledger.frees)
+                and self._try_migrate(cyc, view, req)
+            ):
+                return
 
         reason = self._reason(cyc, req) if cached is None or cached[0] != ledger.frees else cached[1]
         cyc.fail_cache[shape] = (ledger.frees, reason)
@@ -916,6 +935,48 @@ class Scheduler:
         # Nobody else may take the room being made for this job.
         cyc.ledger.block(plan.gpus, view.name)
         self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'preemption')} of {', '.join(plan.jobs)}")
+        return True
+
+    def _try_migrate(self, cyc: _Cycle, view: JobView, req: SliceRequest) -> bool:
+        """Move running shared jobs off one GPU for ``view`` (:mod:`.migrate`): each is preempted
+        with a ``migrate:`` reason naming ``view`` and queues again at its old place; the GPU is
+        held for ``view`` (as for a preemption) and each mover's landing room for the rest of this
+        cycle. The plan is bounded by ``migrate_max_per_cycle`` (moves left this cycle)."""
+        ledger = cyc.ledger
+        config = cyc.config
+        now = cyc.snapshot.now
+        if cyc.movers is None:
+            cyc.movers = movable_jobs((v for v, _ in self._memo.held.values()), ledger, now, config)
+        plan = plan_migration(ledger, req, cyc.movers, cyc.busy | cyc.claimed) if cyc.movers else None
+        if plan is None or cyc.moved + len(plan.moves) > config.migrate_max_per_cycle:
+            if view.name not in ledger.blocked_jobs:
+                cyc.no_migrate[req.shape] = ledger.frees
+            return False
+        where = ledger.gpus[plan.gpu].uuid
+        for move in plan.moves:
+            mover = cyc.snapshot.jobs[move.job]
+            dest = ledger.gpus[move.dest]
+            # Its landing room is held for the rest of this cycle (it keeps its own until its release).
+            ledger.reserve(move.job, holdings_for(ledger, move.req, [move.dest]), move.req.anti_affinity)
+            cyc.decisions.append(
+                Preempt(
+                    move.job,
+                    f"{MIGRATE_PREFIX} defragmenting {where} for {view.name} "
+                    f"({format_size(req.memory)} per slice); {move.job} fits now on {dest.uuid} ({dest.node}) "
+                    f"and queues again at its place",
+                    deadline=preempt_deadline(mover, now, config),
+                    for_job=view.name,
+                )
+            )
+            cyc.busy.add(move.job)
+            cyc.claimed.add(move.job)
+            cyc.preempting[move.job] = view.name
+            cyc.freeing_by_job = None
+            cyc.actions += 1
+            cyc.moved += 1
+        ledger.block([plan.gpu], view.name)
+        names = ", ".join(m.job for m in plan.moves)
+        self._queue(cyc, view, f"queued: waiting for {_count(len(plan.moves), 'migration')} of {names} (defragmenting {where})")
         return True
 
     def _shrink_plan(
