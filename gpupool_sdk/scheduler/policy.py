@@ -13,8 +13,9 @@ capacity ledger with reserve / un-reserve):
    :mod:`.locality`): filter + score (:mod:`.filter`, :mod:`.placement`) -> reserve -> Grant;
    else wait for capacity already being freed, else Balloon, else shrink elastic victims (a
    Resize down toward ``min_gpus`` for the job) or Preempt lower-priority jobs or, with LAS,
-   same-level jobs in a higher attained-service queue (:mod:`.preempt`),
-   else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
+   same-level jobs in a higher attained-service queue (:mod:`.preempt`), else (with
+   ``migrate_for_fragmentation``) move a few running shared jobs that fit elsewhere off one GPU
+   (:mod:`.migrate`), else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
    jobs behind the first ``max_considered`` are only placed where they fit now, else queued;
 7. when nothing is left waiting: Deflate ballooned jobs;
 8. when every queued job was considered in full (none cut by ``max_decisions``,
