@@ -172,3 +172,15 @@ def test_at_the_ack_the_room_goes_to_the_pending_job() -> None:
 def test_settings_are_validated(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         SchedulerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_valid_until_ends_when_a_job_becomes_movable() -> None:
+    # A cycle skipped until valid_until must not skip the instant a mover becomes movable.
+    from gpupool_sdk.scheduler import Scheduler
+
+    granted = NOW - ON.migrate_min_run_s + 100
+    snapshot = snap(gpus(POOL), [*_fragmented(granted_at=granted), _big()], now=NOW)
+    cfg = replace(ON, aging_s_per_priority=0.0, max_wait_s=0.0)
+    assert Scheduler(cfg).run(snapshot).valid_until == granted + ON.migrate_min_run_s
+    off = replace(cfg, migrate_for_fragmentation=False)
+    assert Scheduler(off).run(snapshot).valid_until > granted + ON.migrate_min_run_s
