@@ -9,11 +9,14 @@ import random
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sched_helpers import gpus, job, run, running, snap
+from test_capacity_property import step
 
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.resources import Ack, Directive, DirectiveKind, GiB, JobState
-from gpupool_sdk.scheduler import Grant, Preempt, Queue, Release, SchedulerConfig
+from gpupool_sdk.resources import Ack, Directive, DirectiveKind, GiB, JobSpec, JobState
+from gpupool_sdk.scheduler import ClusterSnapshot, Grant, Preempt, Queue, Release, Scheduler, SchedulerConfig
 from gpupool_sdk.scheduler.types import JobView
 
 NOW = 100_000.0
@@ -176,11 +179,42 @@ def test_settings_are_validated(field: str, value: object) -> None:
 
 def test_valid_until_ends_when_a_job_becomes_movable() -> None:
     # A cycle skipped until valid_until must not skip the instant a mover becomes movable.
-    from gpupool_sdk.scheduler import Scheduler
-
     granted = NOW - ON.migrate_min_run_s + 100
     snapshot = snap(gpus(POOL), [*_fragmented(granted_at=granted), _big()], now=NOW)
     cfg = replace(ON, aging_s_per_priority=0.0, max_wait_s=0.0)
     assert Scheduler(cfg).run(snapshot).valid_until == granted + ON.migrate_min_run_s
     off = replace(cfg, migrate_for_fragmentation=False)
     assert Scheduler(off).run(snapshot).valid_until > granted + ON.migrate_min_run_s
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    waves=st.lists(st.lists(st.sampled_from([2, 3, 4, 6, 8, 10, 12]), min_size=0, max_size=8), min_size=1, max_size=6),
+    peaks=st.booleans(),
+    ratio=st.sampled_from([1.0, 1.5]),
+)
+def test_moves_keep_the_capacity_invariant_and_land_elsewhere(waves: list[list[int]], peaks: bool, ratio: float) -> None:
+    """Waves of one-slice shared jobs of one priority on four 16 GiB GPUs, cycles with acks (a
+    released job queues again): the capacity invariant holds after every cycle, every move's
+    reason names another GPU than the one it empties, and the same cycle twice decides the same."""
+    cfg = SchedulerConfig(overcommit_ratio=ratio, migrate_for_fragmentation=True, migrate_min_run_s=0.0,
+                          aging_s_per_priority=0.0, max_wait_s=0.0)
+    sched = Scheduler(cfg)
+    snapshot = ClusterSnapshot(now=0.0, gpus=gpus(POOL), jobs={})
+    n = 0
+    for k, wave in enumerate([*waves, [], [], []]):
+        jobs = dict(snapshot.jobs)
+        for gib in wave:
+            spec = JobSpec(name=f"j{n}", memory=gib * GiB, qos="shared", compute_share=0.25)
+            jobs[spec.name] = JobView(spec=spec, queued_at=snapshot.now, order=n,
+                                      memory_peak_bytes=gib * GiB // 2 if peaks else None)
+            n += 1
+        snapshot = replace(snapshot, jobs=jobs, now=k * 30.0)
+        decisions = sched.schedule(snapshot)
+        assert decisions == Scheduler(cfg).schedule(snapshot)
+        for p in _preempts(decisions):
+            if p.reason.startswith("migrate:"):
+                emptied = p.reason.split()[2]
+                landing = p.reason.split(" fits now on ")[1].split()[0]
+                assert emptied != landing
+        snapshot = step(snapshot, decisions, cfg)  # checks the invariant
