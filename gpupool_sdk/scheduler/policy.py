@@ -298,8 +298,10 @@ class _Cycle:
     #: the jobs moved this cycle.
     movers: dict[int, list[Mover]] | None = None
     moved: int = 0
-    #: failed migration searches by request shape: ``ledger.frees`` then (see :meth:`Scheduler._try_migrate`).
-    no_migrate: dict[tuple[object, ...], int] = field(default_factory=dict)
+    #: failed migration searches by constraints (:func:`_no_place_key`): (frees, memory, compute, peak).
+    no_migrate: dict[tuple[object, ...], list[tuple[int, int, float, int]]] = field(default_factory=dict)
+    #: movers that could not land anywhere, by (request shape, GPU left): ``ledger.frees`` then.
+    no_land: dict[tuple[object, ...], int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -356,6 +358,8 @@ class Scheduler:
         #: per shared job holding allocations: (allocations, spec, peak, peak history, quota, balloon target).
         self._btargets: dict[str, tuple[tuple[object, ...], JobSpec, int | None, tuple[int, ...], int, int]] = {}
         self._btargets_config: SchedulerConfig | None = None
+        #: per job that may be moved for fragmentation: (view, its request when placed again).
+        self._mover_reqs: dict[str, tuple[JobView, SliceRequest]] = {}
         #: per running job in the last victim index: (view, running priority, LAS standing).
         self._standings: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
 
@@ -558,7 +562,7 @@ class Scheduler:
                 and none_fit
                 and cyc.moved < config.migrate_max_per_cycle
                 and cyc.actions < config.max_decisions
-                and (held_for_it or cyc.no_migrate.get(shape) != ledger.frees)
+                and (held_for_it or not _dominated(cyc.no_migrate.get(_no_place_key(req)), ledger.frees, req))
                 and self._try_migrate(cyc, view, req)
             ):
                 return
@@ -947,11 +951,16 @@ class Scheduler:
         config = cyc.config
         now = cyc.snapshot.now
         if cyc.movers is None:
-            cyc.movers = movable_jobs((v for v, _ in self._memo.held.values()), ledger, now, config)
-        plan = plan_migration(ledger, req, cyc.movers, cyc.busy | cyc.claimed) if cyc.movers else None
+            cyc.movers = movable_jobs((v for v, _ in self._memo.held.values()), ledger, now, config, self._mover_reqs)
+        plan = plan_migration(ledger, req, cyc.movers, cyc.busy, cyc.no_land) if cyc.movers else None
         if plan is None or cyc.moved + len(plan.moves) > config.migrate_max_per_cycle:
             if view.name not in ledger.blocked_jobs:
-                cyc.no_migrate[req.shape] = ledger.frees
+                # A request asking at least as much, with the same constraints, is not searched
+                # again until capacity is freed (moving more rarely lands where moving less did not).
+                key = _no_place_key(req)
+                kept = [e for e in cyc.no_migrate.get(key, ()) if e[0] == ledger.frees]
+                kept.append((ledger.frees, req.memory, req.compute, req.peak))
+                cyc.no_migrate[key] = kept
             return False
         where = ledger.gpus[plan.gpu].uuid
         for move in plan.moves:
@@ -1372,6 +1381,13 @@ def _no_place_key(req: SliceRequest) -> tuple[object, ...]:
     has a subset of the candidate GPUs, and placement fails only when fewer than ``min_count``
     candidates, or distinct nodes for ``spread``, take a slice)."""
     return (req.qos, req.features, req.gpu_model, req.topology, req.anti_affinity, req.nodes)
+
+
+def _dominated(failed: list[tuple[int, int, float, int]] | None, frees: int, req: SliceRequest) -> bool:
+    """True when a migration search for no more than ``req`` asks failed since the last free."""
+    return bool(failed) and any(
+        f == frees and m <= req.memory and c <= req.compute and p <= req.peak for f, m, c, p in failed or ()
+    )
 
 
 def _worth_trying(known: tuple[int, float] | None, frees: int, prio: float) -> bool:
