@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from testkit import publish_gpus
 
+from gpupool_sdk.cli.job_cmd import describe
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator.apply import Applier, ApplyReport
 from gpupool_sdk.coordinator.election import Election, ElectionTiming
@@ -111,7 +113,9 @@ def pool(store: EtcdStore) -> Iterator[Pool]:
         election.resign()
 
 
-def test_a_mover_is_preempted_acks_is_regranted_elsewhere_and_the_pending_job_gets_the_merged_room(pool: Pool) -> None:
+def test_a_mover_is_preempted_acks_is_regranted_elsewhere_and_the_pending_job_gets_the_merged_room(
+    pool: Pool, etcd_endpoint: str
+) -> None:
     g0, g1 = pool.gpus
     pool.hold("s0", "4GiB", g0)
     pool.hold("s1", "4GiB", g0)
@@ -129,6 +133,9 @@ def test_a_mover_is_preempted_acks_is_regranted_elsewhere_and_the_pending_job_ge
     status = pool.status(mover)
     assert status.state is JobState.PREEMPTING and status.reason.startswith("migrate:")  # what `gpupool status` shows
     assert pool.status("big").state is JobState.PENDING and "migration" in pool.status("big").reason
+    shown = CliRunner().invoke(describe, [mover, "--endpoints", etcd_endpoint, "--prefix", pool.store.keys.prefix])
+    assert shown.exit_code == 0, shown.output
+    assert f"Directive:    preempt seq {d.seq}: migrate: defragmenting {g0.uuid} for big" in shown.output
 
     # The mover checkpoints and acks; the leader releases it and grants the pending job GPU 0 at once.
     pool.ack(mover, seq=d.seq, step=7, checkpoint="/ckpt/7", at=NOW + 5)
