@@ -5,7 +5,9 @@ time-dependent rules. With the snapshot otherwise unchanged (no arrival, complet
 telemetry or GPU change), a later cycle decides the same as this one until the first of:
 
 * a directive's deadline passes (a missed ack becomes a Revoke or a Preempt);
-* a running job's minimum run time ends (it becomes a possible victim);
+* a running job's minimum run time ends (it becomes a possible victim), or, with
+  ``migrate_for_fragmentation``, a running shared job reaches ``migrate_min_run_s`` since its
+  grant (it may be moved);
 * with LAS, a running job crosses a queue threshold: its attained service grows by the compute
   it holds per second; a job ranked by its remaining service (``JobView.remaining_s``,
   ``use_remaining``) loses as much per second (an honest estimate counts down while it runs);
@@ -24,7 +26,7 @@ import bisect
 import math
 from collections.abc import Iterable
 
-from gpupool_sdk.resources import JobState
+from gpupool_sdk.resources import JobState, QoS
 from gpupool_sdk.scheduler.ordering import remaining_gpu_s
 from gpupool_sdk.scheduler.types import ClusterSnapshot, JobView, SchedulerConfig
 
@@ -41,19 +43,24 @@ class HorizonMemo:
 
     def __init__(self) -> None:
         self.config: SchedulerConfig | None = None
-        #: per job: (its view, directive deadline, granted_at, minimum run time, LAS delta).
-        self.parts: dict[str, tuple[JobView, float | None, float | None, float, float | None]] = {}
+        #: per job: (its view, directive deadline, granted_at, minimum run time, LAS delta,
+        #: run time after which it may be moved: 0 when never).
+        self.parts: dict[str, _Parts] = {}
 
 
-def _parts(view: JobView, config: SchedulerConfig) -> tuple[JobView, float | None, float | None, float, float | None]:
+_Parts = tuple[JobView, float | None, float | None, float, float | None, float]
+
+
+def _parts(view: JobView, config: SchedulerConfig) -> _Parts:
     """``view``'s timed rules: directive deadline, grant time and minimum run time (when it runs),
-    and the seconds until its next LAS queue crossing from any ``now`` (None: none)."""
+    the seconds until its next LAS queue crossing from any ``now`` (None: none), and the run
+    time after which it may be moved for fragmentation (0: never, or migration off)."""
     d = view.directive
     deadline = d.deadline if d is not None else None
     if deadline is None and view.resize_retry_at is not None:
         deadline = view.resize_retry_at  # a refused resize: a resize may be proposed again from then
     if not view.allocations or view.state is not JobState.GRANTED:
-        return (view, deadline, None, 0.0, None)
+        return (view, deadline, None, 0.0, None, 0.0)
     guard = max(view.spec.min_runtime_s, config.min_runtime_s)
     thresholds = config.las_threshold_gpu_s
     delta = None
@@ -69,7 +76,8 @@ def _parts(view: JobView, config: SchedulerConfig) -> tuple[JobView, float | Non
                 q = bisect.bisect_right(thresholds, view.attained_gpu_s)
                 if q < len(thresholds):
                     delta = (thresholds[q] - view.attained_gpu_s) / compute
-    return (view, deadline, view.granted_at, guard, delta)
+    movable = config.migrate_for_fragmentation and view.spec.qos_class is QoS.SHARED
+    return (view, deadline, view.granted_at, guard, delta, config.migrate_min_run_s if movable else 0.0)
 
 
 def running_horizon(
@@ -97,7 +105,7 @@ def running_horizon(
         return now
     memo = memo if memo is not None else HorizonMemo()
     old = memo.parts if memo.config is config else {}
-    new: dict[str, tuple[JobView, float | None, float | None, float, float | None]] = {}
+    new: dict[str, _Parts] = {}
     until = math.inf
     delta = math.inf
     jobs = snapshot.jobs
@@ -109,11 +117,13 @@ def running_horizon(
         if p is None or p[0] is not view:
             p = _parts(view, config)
         new[name] = p
-        _v, deadline, granted_at, guard, step = p
+        _v, deadline, granted_at, guard, step, move = p
         if deadline is not None and deadline > now:
             until = min(until, deadline)
         if granted_at is not None and guard > 0 and now - granted_at < guard:
             until = min(until, granted_at + guard)
+        if granted_at is not None and move > 0 and now - granted_at < move:
+            until = min(until, granted_at + move)
         if step is not None and step < delta:
             delta = step
     memo.config, memo.parts = config, new

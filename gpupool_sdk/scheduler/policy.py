@@ -13,8 +13,9 @@ capacity ledger with reserve / un-reserve):
    :mod:`.locality`): filter + score (:mod:`.filter`, :mod:`.placement`) -> reserve -> Grant;
    else wait for capacity already being freed, else Balloon, else shrink elastic victims (a
    Resize down toward ``min_gpus`` for the job) or Preempt lower-priority jobs or, with LAS,
-   same-level jobs in a higher attained-service queue (:mod:`.preempt`),
-   else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
+   same-level jobs in a higher attained-service queue (:mod:`.preempt`), else (with
+   ``migrate_for_fragmentation``) move a few running shared jobs that fit elsewhere off one GPU
+   (:mod:`.migrate`), else reserve GPUs for a long-blocked job (backfill only elsewhere) and Queue with a reason;
    jobs behind the first ``max_considered`` are only placed where they fit now, else queued;
 7. when nothing is left waiting: Deflate ballooned jobs;
 8. when every queued job was considered in full (none cut by ``max_decisions``,
@@ -50,6 +51,7 @@ from gpupool_sdk.scheduler.health import health_preemptions, unusable_gpus
 from gpupool_sdk.scheduler.horizon import HorizonMemo, running_horizon, time_dependent_order
 from gpupool_sdk.scheduler.ledger import GpuLayout, Holding, Ledger
 from gpupool_sdk.scheduler.locality import broken_gangs, gang_problem, node_wait_reason
+from gpupool_sdk.scheduler.migrate import MIGRATE_PREFIX, Mover, movable_jobs, plan_migration
 from gpupool_sdk.scheduler.ordering import (
     effective_priority,
     las_level,
@@ -292,6 +294,14 @@ class _Cycle:
     deferred: int = 0
     #: the first instant a pending job considered this cycle reaches ``reserve_after_s`` (see :mod:`.horizon`).
     until: float = math.inf
+    #: jobs that may be moved for fragmentation, per ledger GPU (built at the first search), and
+    #: the jobs moved this cycle.
+    movers: dict[int, list[Mover]] | None = None
+    moved: int = 0
+    #: failed migration searches by constraints (:func:`_no_place_key`): (frees, memory, compute, peak).
+    no_migrate: dict[tuple[object, ...], list[tuple[int, int, float, int]]] = field(default_factory=dict)
+    #: movers that could not land anywhere, by (request shape, GPU left): ``ledger.frees`` then.
+    no_land: dict[tuple[object, ...], int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -348,6 +358,8 @@ class Scheduler:
         #: per shared job holding allocations: (allocations, spec, peak, peak history, quota, balloon target).
         self._btargets: dict[str, tuple[tuple[object, ...], JobSpec, int | None, tuple[int, ...], int, int]] = {}
         self._btargets_config: SchedulerConfig | None = None
+        #: per job that may be moved for fragmentation: (view, its request when placed again).
+        self._mover_reqs: dict[str, tuple[JobView, SliceRequest]] = {}
         #: per running job in the last victim index: (view, running priority, LAS standing).
         self._standings: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
 
@@ -525,15 +537,17 @@ class Scheduler:
             pkey = shape if las is None else (*shape, las)
             try_balloon = held_for_it or _worth_trying(cyc.no_balloon.get(shape), ledger.frees, prio)
             try_preempt = held_for_it or _worth_trying(cyc.no_preempt.get(pkey), ledger.frees, prio)
+            none_fit = True
             if (try_balloon or try_preempt) and cyc.attempts >= config.max_preemption_attempts:
                 # It may have had a plan: it searches again next cycle, and nothing grows meanwhile.
                 cyc.deferred += 1
                 try_balloon = try_preempt = False
+                none_fit = False  # no migration search either (it comes after them)
             if try_balloon or try_preempt:
                 cyc.attempts += 1
             # A one-slice request that was not placed above: no GPU takes a slice of it now (the
             # ledger is as it was then: a plan tried since was undone), as the searches may assume.
-            none_fit = req.count == 1 and not req.per_node
+            none_fit = none_fit and req.count == 1 and not req.per_node
             if try_balloon and self._try_balloon(cyc, view, req, prio, none_fit):
                 return
             if try_balloon:
@@ -542,6 +556,16 @@ class Scheduler:
                 return
             if try_preempt:
                 cyc.no_preempt[pkey] = _failed(cyc.no_preempt.get(pkey), ledger.frees, prio)
+            # Move a few running shared jobs off one GPU (each fits elsewhere now) to open room there.
+            if (
+                config.migrate_for_fragmentation
+                and none_fit
+                and cyc.moved < config.migrate_max_per_cycle
+                and cyc.actions < config.max_decisions
+                and (held_for_it or not _dominated(cyc.no_migrate.get(_no_place_key(req)), ledger.frees, req))
+                and self._try_migrate(cyc, view, req)
+            ):
+                return
 
         reason = self._reason(cyc, req) if cached is None or cached[0] != ledger.frees else cached[1]
         cyc.fail_cache[shape] = (ledger.frees, reason)
@@ -916,6 +940,53 @@ class Scheduler:
         # Nobody else may take the room being made for this job.
         cyc.ledger.block(plan.gpus, view.name)
         self._queue(cyc, view, f"queued: waiting for {_count(len(plan.jobs), 'preemption')} of {', '.join(plan.jobs)}")
+        return True
+
+    def _try_migrate(self, cyc: _Cycle, view: JobView, req: SliceRequest) -> bool:
+        """Move running shared jobs off one GPU for ``view`` (:mod:`.migrate`): each is preempted
+        with a ``migrate:`` reason naming ``view`` and queues again at its old place; the GPU is
+        held for ``view`` (as for a preemption) and each mover's landing room for the rest of this
+        cycle. The plan is bounded by ``migrate_max_per_cycle`` (moves left this cycle)."""
+        ledger = cyc.ledger
+        config = cyc.config
+        now = cyc.snapshot.now
+        if cyc.movers is None:
+            cyc.movers = movable_jobs((v for v, _ in self._memo.held.values()), ledger, now, config, self._mover_reqs)
+        plan = plan_migration(ledger, req, cyc.movers, cyc.busy, cyc.no_land) if cyc.movers else None
+        if plan is None or cyc.moved + len(plan.moves) > config.migrate_max_per_cycle:
+            if view.name not in ledger.blocked_jobs:
+                # A request asking at least as much, with the same constraints, is not searched
+                # again until capacity is freed (moving more rarely lands where moving less did not).
+                key = _no_place_key(req)
+                kept = [e for e in cyc.no_migrate.get(key, ()) if e[0] == ledger.frees]
+                kept.append((ledger.frees, req.memory, req.compute, req.peak))
+                cyc.no_migrate[key] = kept
+            return False
+        where = ledger.gpus[plan.gpu].uuid
+        for move in plan.moves:
+            mover = cyc.snapshot.jobs[move.job]
+            dest = ledger.gpus[move.dest]
+            # Its landing room is held for the rest of this cycle (it keeps its own until its release).
+            ledger.reserve(move.job, holdings_for(ledger, move.req, [move.dest]), move.req.anti_affinity)
+            cyc.decisions.append(
+                Preempt(
+                    move.job,
+                    f"{MIGRATE_PREFIX} defragmenting {where} for {view.name} "
+                    f"({format_size(req.memory)} per slice); {move.job} fits now on {dest.uuid} ({dest.node}) "
+                    f"and queues again at its place",
+                    deadline=preempt_deadline(mover, now, config),
+                    for_job=view.name,
+                )
+            )
+            cyc.busy.add(move.job)
+            cyc.claimed.add(move.job)
+            cyc.preempting[move.job] = view.name
+            cyc.freeing_by_job = None
+            cyc.actions += 1
+            cyc.moved += 1
+        ledger.block([plan.gpu], view.name)
+        names = ", ".join(m.job for m in plan.moves)
+        self._queue(cyc, view, f"queued: waiting for {_count(len(plan.moves), 'migration')} of {names} (defragmenting {where})")
         return True
 
     def _shrink_plan(
@@ -1310,6 +1381,13 @@ def _no_place_key(req: SliceRequest) -> tuple[object, ...]:
     has a subset of the candidate GPUs, and placement fails only when fewer than ``min_count``
     candidates, or distinct nodes for ``spread``, take a slice)."""
     return (req.qos, req.features, req.gpu_model, req.topology, req.anti_affinity, req.nodes)
+
+
+def _dominated(failed: list[tuple[int, int, float, int]] | None, frees: int, req: SliceRequest) -> bool:
+    """True when a migration search for no more than ``req`` asks failed since the last free."""
+    return bool(failed) and any(
+        f == frees and m <= req.memory and c <= req.compute and p <= req.peak for f, m, c, p in failed or ()
+    )
 
 
 def _worth_trying(known: tuple[int, float] | None, frees: int, prio: float) -> bool:

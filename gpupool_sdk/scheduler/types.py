@@ -102,6 +102,14 @@ class SchedulerConfig:
         resize_retry_s: after a job refuses a resize (an ``ok=False`` ack), no resize is proposed to
             it for this long, doubled for each refusal in a row up to 16x (``JobView.resize_retry_at``);
             meanwhile a pending job that needs its GPUs may still preempt it whole.
+        migrate_for_fragmentation: a pending one-slice job that fits on no GPU, and gets no room
+            by waiting, ballooning, shrinking or preempting, gets it by moving up to three running
+            ``shared`` jobs off one GPU when each of them fits right now on another GPU: they are
+            preempted with a ``migrate:`` reason naming it (a checkpoint and a restart each) and
+            queue again at their old place in line (:mod:`~gpupool_sdk.scheduler.migrate`).
+        migrate_min_run_s: a job is moved only after running this long since its grant (a
+            migration re-grants it, so no job is moved more than once per this many seconds).
+        migrate_max_per_cycle: the most jobs moved in one cycle (0 = none).
     """
 
     overcommit_ratio: float = 1.0
@@ -133,6 +141,9 @@ class SchedulerConfig:
     shrink_elastic: bool = True
     etcd_max_txn_ops: int = 0
     resize_retry_s: float = 300.0
+    migrate_for_fragmentation: bool = False
+    migrate_min_run_s: float = 3600.0
+    migrate_max_per_cycle: int = 2
 
     def __post_init__(self) -> None:
         for name in (
@@ -146,6 +157,7 @@ class SchedulerConfig:
             "reserve_after_s",
             "las_promote_after_factor",
             "resize_retry_s",
+            "migrate_min_run_s",
         ):
             # NaN slips through every `x < bound` check below, and infinity makes no sense for these.
             if not math.isfinite(getattr(self, name)):
@@ -174,7 +186,7 @@ class SchedulerConfig:
                 "balloon_floor_bytes", f"must be a whole number of bytes >= 0 (268435456 = 256 MiB), got {floor_bytes!r}"
             )
         for name in ("min_runtime_s", "aging_s_per_priority", "max_wait_s", "preempt_grace_s", "balloon_grace_s",
-                     "resize_retry_s"):
+                     "resize_retry_s", "migrate_min_run_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0 seconds, got {getattr(self, name)}")
         if self.max_decisions < 1:
@@ -201,6 +213,11 @@ class SchedulerConfig:
                 "etcd_max_txn_ops",
                 f"must be 0 (no limit) or >= {MIN_ETCD_MAX_TXN_OPS} (etcd's --max-txn-ops; its default is 128), "
                 f"got {self.etcd_max_txn_ops}",
+            )
+        moves = self.migrate_max_per_cycle
+        if isinstance(moves, bool) or not isinstance(moves, int) or moves < 0:
+            raise ConfigError(
+                "migrate_max_per_cycle", f"must be a whole number of jobs moved per cycle >= 0, got {moves!r}"
             )
         if self.max_reservations < 0:
             raise ConfigError("max_reservations", f"must be >= 0, got {self.max_reservations}")

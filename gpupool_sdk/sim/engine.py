@@ -63,6 +63,7 @@ from typing import Protocol
 
 from gpupool_sdk.errors import ConfigError, GpupoolError
 from gpupool_sdk.resources import GpuInfo, JobState
+from gpupool_sdk.scheduler.migrate import MIGRATE_PREFIX
 from gpupool_sdk.scheduler.types import (
     Balloon,
     Decision,
@@ -350,6 +351,7 @@ class SimResult:
     timeline: Timeline
     wall_s: float = 0.0
     resizes: int = 0
+    migrations: int = 0
 
 
 class Simulator:
@@ -421,6 +423,8 @@ class Simulator:
         self._seq = 0
         self._rng = random.Random(f"failures:{self.config.seed}")
         self.preemptions = self.failures = self.revokes = self.balloons = self.cycles = self.resizes = 0
+        #: preemptions that move a job for fragmentation (their reason starts with ``migrate:``).
+        self.migrations = 0
         self.wake_at: float | None = None
         #: called with a job whenever its state, slices or directive change (policies keep indexes with it).
         self.listeners: list[Callable[[SimJob], None]] = []
@@ -598,6 +602,8 @@ class Simulator:
             if isinstance(d, Grant):
                 self._grant(d)
             elif isinstance(d, Preempt):
+                if d.reason.startswith(MIGRATE_PREFIX) and self._job(d.job, d).state == RUNNING:
+                    self.migrations += 1
                 self._preempt(d.job, d.deadline, d.for_job)
             elif isinstance(d, Release):
                 job = self._job(d.job, d)
@@ -975,4 +981,5 @@ class Simulator:
             cycles=self.cycles,
             timeline=tl,
             resizes=self.resizes,
+            migrations=self.migrations,
         )

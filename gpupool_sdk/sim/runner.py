@@ -160,6 +160,8 @@ def run_simulation(
         report.metrics[name] = compute_metrics(result)
         # Elastic jobs (gpupool with min_gpu=/max_gpu= rows or --elastic): resize directives applied.
         report.metrics[name]["resizes"] = result.resizes
+        # Preemptions that moved a job for fragmentation (migrate_for_fragmentation): counted in preemptions too.
+        report.metrics[name]["migrations"] = result.migrations
     return report
 
 
@@ -174,6 +176,7 @@ TABLE_ROWS: tuple[tuple[str, str, str], ...] = (
     ("mem_util", "memory used", "%"),
     ("mem_granted_util", "memory granted", "%"),
     ("preemptions", "preemptions", "n"),
+    ("migrations", "of them migrations", "n"),
     ("resizes", "resizes", "n"),
     ("stranded_gpu_fraction", "stranded GPUs", "%"),
     ("finished", "finished jobs", "n"),

@@ -43,6 +43,7 @@ _REASON_CODES: tuple[tuple[str, str], ...] = (
     ("but only", "too_many_gpus"),
     ("spread over", "topology"),
     ("checkpoint and move", "unhealthy_gpu"),
+    ("migrate:", "migrate"),  # a move for fragmentation (scheduler.migrate.MIGRATE_PREFIX)
     ("to make room for", "priority"),
     ("shrunk", "shrink"),
 )

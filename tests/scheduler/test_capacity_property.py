@@ -150,11 +150,13 @@ def step(snap: ClusterSnapshot, decisions: list, cfg: SchedulerConfig, ack: bool
     preempt=st.booleans(),
     cordon_first=st.booleans(),
     acks=st.booleans(),
+    migrate=st.booleans(),
 )
 def test_capacity_invariant_over_cycles(
-    pool: str, waves: list[list[dict]], ratio: float, preempt: bool, cordon_first: bool, acks: bool
+    pool: str, waves: list[list[dict]], ratio: float, preempt: bool, cordon_first: bool, acks: bool, migrate: bool
 ) -> None:
-    cfg = SchedulerConfig(overcommit_ratio=ratio, allow_preemption=preempt, peak_margin=0.1, min_runtime_s=0.0)
+    cfg = SchedulerConfig(overcommit_ratio=ratio, allow_preemption=preempt, peak_margin=0.1, min_runtime_s=0.0,
+                          migrate_for_fragmentation=migrate, migrate_min_run_s=0.0)
     g = gpus(pool)
     cordoned = frozenset([next(iter(g))]) if cordon_first else frozenset()
     sched = Scheduler(cfg)

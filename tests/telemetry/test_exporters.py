@@ -49,6 +49,7 @@ def _view(name: str, qos: str, queued_at: float) -> st.JobView:
         ("impossible: no GPU offers feature(s) fp8 (offered: bf16)", None, "missing_feature"),
         ("xid 79 (GPU has fallen off the bus); checkpoint and move", None, "unhealthy_gpu"),
         ("preempted to make room for llm (priority 10)", "llm", "priority"),
+        ("migrate: defragmenting GPU-0 for llm (12.0GiB per slice); s fits now on GPU-1 (a)", "llm", "migrate"),
         ("something new", None, "other"),
         ("something new", "llm", "priority"),
     ],
