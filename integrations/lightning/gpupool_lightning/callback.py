@@ -15,7 +15,7 @@ Example (the whole integration)::
     # again") right after the checkpoint, so the code below only ever sees a finished model.
 
 What the callback relies on in Lightning's hook order (pinned by
-``tests/integrations/test_hook_order.py``): per optimizer step ``on_train_batch_start`` ->
+``integrations/lightning/tests/test_hook_order.py``): per optimizer step ``on_train_batch_start`` ->
 ``on_before_backward`` -> ``on_after_backward`` -> ``on_before_optimizer_step`` ->
 ``on_train_batch_end``; the batch is fetched and moved to the device before
 ``on_train_batch_start`` (counted as the data phase).
