@@ -168,6 +168,20 @@ def test_a_crash_is_restarted_from_the_checkpoint_and_a_crash_past_the_budget_sh
     assert "crash" not in results  # a finished run leaves no FAILED result
 
 
+def test_a_script_that_refuses_the_launchers_spec_is_not_restarted(live_pool: LivePool, tmp_path: Path) -> None:
+    """A callback asking another priority than `gpupool run --priority` stops at once with a ConfigError
+    naming both; the launcher used to count that as a crash and queue, lease and run it again
+    --max-restarts times. It exits 2 (bad usage) after the first run, naming the field."""
+    live_pool.start("node-a:1xA100-40GB")
+    run = live_pool.gpupool("mism", "run", "--name", "mism", "--memory", "1GiB", "--", sys.executable, SCRIPT,
+                            "--priority", "5", "--out", str(tmp_path / "m.pt"))
+    assert live_pool.wait_exit(run, "mism", LONG) == 2, live_pool.log("mism")
+    log = live_pool.log("mism")
+    assert log.count("running:") == 1 and "crashed" not in log, log
+    assert "priority" in log.splitlines()[-1] and "not restarted" in log, log
+    wait_for(lambda: live_pool.status("mism") is None, what="the job's keys to go")
+
+
 def test_a_script_killed_by_a_signal_is_reported_as_such_and_restarted(live_pool: LivePool, tmp_path: Path) -> None:
     """Issue 18, item 5: the OOM killer's SIGKILL is a crash to restart, not "finished with exit code -9"."""
     live_pool.start("node-a:1xA100-40GB")
