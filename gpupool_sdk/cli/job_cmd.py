@@ -315,7 +315,15 @@ def describe(name: str, endpoints: str | None, security: EtcdSecurity, prefix: s
     finally:
         store.close()
     if doc is None:
-        click.echo(f"error: no job {name!r} in the pool (see `gpupool job list --all`)", err=True)
+        # Keys of the job that the pool skips (a spec written by hand or by another release) are
+        # why it "does not exist": name them, as `gpupool status` lists them under Problems.
+        job_keys = f"{store.keys.jobs_prefix()}{name}/"
+        skipped = [p for p in state.problems if p.key.startswith(job_keys)]
+        if skipped:
+            lines = "".join(f"\n  {p.key}: {p.message}" for p in skipped)
+            click.echo(f"error: job {name!r} has keys the pool skips, so it is not scheduled:{lines}", err=True)
+        else:
+            click.echo(f"error: no job {name!r} in the pool (see `gpupool job list --all`)", err=True)
         sys.exit(EXIT_NOT_FOUND)
     if output in ("json", "yaml"):
         emit_document(doc, output)

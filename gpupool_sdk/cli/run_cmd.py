@@ -24,12 +24,15 @@ Kubernetes ``restartPolicy: OnFailure`` Job) runs it again and it resumes.
 
 Crashes: a script that exits non-zero (or is killed by a signal, as the kernel's OOM killer
 does) is restarted from its newest checkpoint up to ``--max-restarts`` times with exponential
-backoff (torchrun's flag name). Preemptions (exit 75) do not count against that budget.
+backoff (torchrun's flag name). Preemptions (exit 75) do not count against that budget. A
+script whose callback refused the launcher's spec (its own arguments contradict the flags, a
+``ConfigError`` it reports on the channel) is not restarted: every run would stop the same way.
 
 Exit codes: the script's own when it finished (0); 75 when it was stopped by a signal (it
 checkpointed, or died of the signal or of the SIGKILL after ``--grace`` before it could: run it
 again to resume from its newest checkpoint); the script's own failing code when it exited non-zero
-while stopping, or once ``--max-restarts`` is spent (128+N for a signal N); 2 for bad flags; 3 when
+while stopping, or once ``--max-restarts`` is spent (128+N for a signal N); 2 for bad flags or a
+script that refused them; 3 when
 etcd is unreachable.
 """
 
@@ -51,7 +54,7 @@ from typing import Any
 
 import click
 
-from gpupool_sdk.cli.common import endpoints_option, etcd_security_options, prefix_option
+from gpupool_sdk.cli.common import EXIT_USAGE, endpoints_option, etcd_security_options, prefix_option
 from gpupool_sdk.errors import ConfigError, LeaseLostError
 from gpupool_sdk.resources import JobSpec, JobState
 from gpupool_sdk.runtime.env import (
@@ -414,6 +417,14 @@ def run_job(
                 continue
             lease.release()
             lease = None
+            if rc != 0 and server.refused:
+                # The script's arguments contradict this launcher's flags: every rerun would stop the same way.
+                say(f"the script refused the launcher's spec; not restarted (exit {EXIT_USAGE}): {server.refused}")
+                _record_result(endpoints, prefix, security, JobResult(
+                    job=spec.name, state="FAILED", exit_code=EXIT_USAGE,
+                    reason=f"the script refused the launcher's spec: {server.refused}",
+                    attempts=crashes + 1, finished_at=time.time()), retention_s, say)
+                return EXIT_USAGE
             if rc == 0:
                 say("finished with exit code 0")
                 with contextlib.suppress(Exception):

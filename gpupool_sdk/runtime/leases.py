@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.resources import Directive, JobSpec
-from gpupool_sdk.runtime.env import DEVICES_ENV, LEASE_ID_ENV, LEASED_ENV, RESUME_ENV, RUN_SOCKET_ENV
+from gpupool_sdk.runtime.env import DEVICES_ENV, JOB_ENV, LEASE_ID_ENV, LEASED_ENV, RESUME_ENV, RUN_SOCKET_ENV
 
 
 class LeaseMode(str, enum.Enum):
@@ -117,8 +117,11 @@ def take_lease(mode: LeaseMode, spec: JobSpec, *, rank: int, client_factory: Cal
                 f"this process is rank {rank} but rank 0 exported no grant ({LEASED_ENV} unset); "
                 "start multi-process jobs from one script (Lightning's ddp launcher) or under `gpupool run`",
             )
-        return Grant(mode, None, spec.name, [], int(os.environ.get(DEVICES_ENV, str(spec.gpus))),
-                     os.environ.get(RESUME_ENV) or None, os.environ.get(LEASE_ID_ENV, ""))
+        # The job's name is the one rank 0 (or `gpupool run`) holds the grant under, which may
+        # differ from the script's name= (the launcher's --name wins on rank 0).
+        return Grant(mode, None, os.environ.get(JOB_ENV) or spec.name, [],
+                     int(os.environ.get(DEVICES_ENV, str(spec.gpus))), os.environ.get(RESUME_ENV) or None,
+                     os.environ.get(LEASE_ID_ENV, ""))
     if mode is LeaseMode.ATTACHED:
         from gpupool_sdk.runtime.run_channel import ChannelLease
 

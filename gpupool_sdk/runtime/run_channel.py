@@ -11,7 +11,8 @@ the client's ``Lease`` interface that a training process uses.
 Wire format: one JSON object per line.
 
 * script -> launcher: ``{"op": "hello", "pid": ...}``, ``{"op": "ack", ...}``,
-  ``{"op": "telemetry", "summary": {...}}``, ``{"op": "release"}``.
+  ``{"op": "telemetry", "summary": {...}}``, ``{"op": "release"}``, ``{"op": "refused", "field",
+  "message"}`` (the script's own arguments contradict the launcher's spec: running it again cannot help).
 * launcher -> script: ``{"op": "grant", "job", "visible_devices", "resume_from"}`` (answer to
   hello), ``{"op": "directive", "directive": {...}}``, ``{"op": "released", "ok": bool}``,
   ``{"op": "lost", "reason": str}``.
@@ -206,6 +207,14 @@ class ChannelLease:
         """Wait until the launcher reports the slices taken back after a preempt ack."""
         return self._released.wait(timeout)
 
+    def refuse(self, field: str, message: str) -> None:
+        """Tell the launcher the script cannot run on this grant as written (a ``ConfigError`` of ``field``).
+
+        The script exits with the error; the launcher then gives up instead of restarting it.
+        """
+        with contextlib.suppress(OSError):
+            _send(self._sock, self._lock, {"op": "refused", "field": field, "message": message})
+
     def release(self) -> None:
         """Tell the launcher this process is done with the lease (it decides what happens next)."""
         if os.getpid() != self._pid:
@@ -243,6 +252,8 @@ class RunChannelServer:
         #: Set when the script acked a resize: the launcher keeps the lease and waits for the re-grant.
         self.resize_acked = threading.Event()
         self.acked_at = 0.0
+        #: The script's ``ConfigError`` (``"field: message"``) when it refused the launcher's spec.
+        self.refused: str | None = None
         self._stop = threading.Event()
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._srv.bind(path)
@@ -314,6 +325,8 @@ class RunChannelServer:
                         self.on_event("telemetry", msg)
                 elif op == "release":
                     self.released_by_child.set()
+                elif op == "refused":
+                    self.refused = str(msg.get("message") or msg.get("field") or "refused")
         finally:
             conn.close()
 

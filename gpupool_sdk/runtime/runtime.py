@@ -248,7 +248,16 @@ class PoolRuntime:
         grant = take_lease(self.mode, self.spec, rank=self.rank, client_factory=self._client_factory,
                            timeout=self.options.acquire_timeout, on_status=self.options.on_status)
         if grant.launcher_spec:
-            self._check_launcher_spec(grant.launcher_spec)
+            from gpupool_sdk.errors import ConfigError
+
+            try:
+                self._check_launcher_spec(grant.launcher_spec)
+            except ConfigError as exc:
+                # Running the script again cannot help: the launcher gives up instead of restarting it.
+                refuse = getattr(grant.lease, "refuse", None)
+                if refuse is not None:
+                    refuse(exc.field, str(exc))
+                raise
             from gpupool_sdk.resources import JobSpec
 
             with contextlib.suppress(Exception):  # the launcher's spec is the job's (its quota, its name)

@@ -142,6 +142,21 @@ def test_job_describe_says_why_and_what(granted: Pool) -> None:
     assert r.returncode == EXIT_NOT_FOUND and "no-such-job" in r.stderr
 
 
+def test_job_describe_of_a_job_whose_spec_is_unusable_names_the_key_and_the_problem(granted: Pool) -> None:
+    """A spec the coordinator skips (written by hand, or by a newer release: another schema) made
+    ``describe`` say "no job ... in the pool", though ``status`` lists the key under Problems."""
+    pool = granted
+    lease = pool.store.grant_lease(60)
+    key = pool.keys.job_spec("cli-newer")
+    try:
+        pool.store.put(key, '{"kind": "JobSpec", "schema": 99, "name": "cli-newer", "gpus": 1}', lease=lease)
+        r = gpupool("job", "describe", "cli-newer", *_opts(pool))
+        assert r.returncode == EXIT_NOT_FOUND, explain(r)
+        assert key in r.stderr and "schema version 99" in r.stderr, explain(r)
+    finally:
+        pool.store.revoke_lease(lease)
+
+
 def test_cancel_frees_the_slices_and_forget_removes_the_records(granted: Pool) -> None:
     pool = granted
     job = pool.submit("cli-cancel-me", gpus=1, memory="4Gi", qos="guaranteed")

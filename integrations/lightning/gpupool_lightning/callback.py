@@ -15,7 +15,7 @@ Example (the whole integration)::
     # again") right after the checkpoint, so the code below only ever sees a finished model.
 
 What the callback relies on in Lightning's hook order (pinned by
-``tests/integrations/test_hook_order.py``): per optimizer step ``on_train_batch_start`` ->
+``integrations/lightning/tests/test_hook_order.py``): per optimizer step ``on_train_batch_start`` ->
 ``on_before_backward`` -> ``on_after_backward`` -> ``on_before_optimizer_step`` ->
 ``on_train_batch_end``; the batch is fetched and moved to the device before
 ``on_train_batch_start`` (counted as the data phase).
@@ -55,6 +55,37 @@ def _loaders(obj: Any) -> list[Any]:
     if isinstance(obj, dict):
         return [x for o in obj.values() for x in _loaders(o)]
     return [obj]
+
+
+def _fit_validating(trainer: Any) -> bool:
+    """Inside a validation loop of ``fit`` (not the sanity check), on a Lightning that can resume into one."""
+    try:
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        return bool(str(getattr(trainer.state.fn, "value", trainer.state.fn)) == "fit" and trainer.validating
+                    and not trainer.sanity_checking and hasattr(val_loop, "restarted_mid_evaluation"))
+    except Exception:  # noqa: BLE001 - a Trainer without these: nothing to rewind
+        return False
+
+
+def _rewind_validation(checkpoint: dict[str, Any]) -> None:
+    """Make a checkpoint taken inside ``fit``'s validation resume into that validation, from its start.
+
+    Lightning resumes a checkpoint taken after a validation batch as if that validation had ended
+    (it fast-forwards the loop's counters to its end): the epoch end then runs without the
+    validation's metrics, and the default ``EarlyStopping`` (it checks at the train epoch's end)
+    raises for the missing one at every restart. Lightning (2.6 tested) runs a validation again
+    when its counters say a batch was started and not processed ("restarted mid evaluation"), so the
+    validation loop's progress is written as "first batch of this run started": the resumed run
+    validates from its first batch, and what the interrupted run logged is not mixed in.
+    """
+    state = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress")
+    if not isinstance(state, dict) or not {"total", "current"} <= state.keys():
+        return
+    # `total` counts the epoch's validation runs (val_check_interval < 1), `current` this run's batches.
+    before = int(state["total"]["completed"]) - int(state["current"]["completed"])
+    state["total"].update(ready=before + 1, started=before + 1, processed=before, completed=before)
+    state["current"].update(ready=1, started=1, processed=0, completed=0)
+    state["is_last_batch"] = False
 
 
 class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
@@ -113,6 +144,8 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
         self._last_checkpoint: str | None = None
         #: A directive seen at an epoch's last batch waits for the next training step.
         self._at_epoch_end = False
+        #: The checkpoint being written is taken inside a validation loop of ``fit``.
+        self._rewind_validation = False
         self._trainer: Any = None
         #: The watch was uninstalled by this callback at the end of a run (not by the runtime):
         #: the next stage's ``setup`` installs it again.
@@ -335,10 +368,18 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
 
     def _save(self, trainer: Any) -> Any:
         def save(path: str) -> None:
-            trainer.save_checkpoint(path)
+            self._rewind_validation = _fit_validating(trainer)
+            try:
+                trainer.save_checkpoint(path)
+            finally:
+                self._rewind_validation = False
             self._last_checkpoint = path
 
         return save
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if self._rewind_validation:
+            _rewind_validation(checkpoint)
 
     def _stop(self, trainer: Any) -> None:
         rt = self.runtime

@@ -5,7 +5,9 @@ training, when the signal or the directive lands. ``--pause-at STEP`` (repeatabl
 inside that optimizer step, after the callback's handlers are in place, until the callback
 recorded a signal, a directive or a lease loss (its attention flag); the file
 ``{--pause-dir}/paused-at-STEP`` says that it is held. The step then ends and the callback acts at
-that boundary: a signal checkpoints at STEP + 1. With several ranks, global rank 0 is held (the
+that boundary: a signal checkpoints at STEP + 1. ``--pause-in-validation EPOCH`` holds the first
+batch of that epoch's validation loop inside ``fit`` the same way (file ``paused-in-validation-EPOCH``):
+the callback acts after that batch. With several ranks, global rank 0 is held (the
 others wait for it in the step's all-reduce). The pause changes no computation (the weights equal
 an unpaused run's); ``--pause-limit`` bounds it so that a broken test cannot hang the job.
 
@@ -37,25 +39,43 @@ def _readme_train() -> Any:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--pause-at", type=int, action="append", default=[], help="hold inside this training step")
+    p.add_argument("--pause-in-validation", type=int, action="append", default=[],
+                   help="hold inside the first validation batch of this epoch (not the sanity check)")
     p.add_argument("--pause-dir", required=True, help="where paused-at-STEP files are written")
     p.add_argument("--pause-limit", type=float, default=600.0, help="seconds a pause lasts at most")
     ours, rest = p.parse_known_args(argv)
     readme = _readme_train()
     original = readme.Regressor.training_step
+    original_validation = readme.Regressor.validation_step
     pending = set(ours.pause_at)
+    pending_validation = set(ours.pause_in_validation)
+
+    def hold(self: Any, marker: str) -> None:
+        pool = next(cb for cb in self.trainer.callbacks if isinstance(cb, readme.GpuPoolCallback))
+        Path(ours.pause_dir, marker).write_text("held\n")
+        deadline = time.monotonic() + ours.pause_limit
+        while not pool.runtime.inbox.attention and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def training_step(self: Any, batch: Any, batch_idx: int) -> Any:
         step = int(self.global_step)
         if step in pending and self.trainer.is_global_zero:  # other ranks wait in the step's all-reduce
             pending.discard(step)
-            pool = next(cb for cb in self.trainer.callbacks if isinstance(cb, readme.GpuPoolCallback))
-            Path(ours.pause_dir, f"paused-at-{step}").write_text(f"{step}\n")
-            deadline = time.monotonic() + ours.pause_limit
-            while not pool.runtime.inbox.attention and time.monotonic() < deadline:
-                time.sleep(0.02)
+            hold(self, f"paused-at-{step}")
         return original(self, batch, batch_idx)
 
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> Any:
+        epoch = int(self.current_epoch)
+        trainer = self.trainer
+        marker = f"paused-in-validation-{epoch}"
+        if (epoch in pending_validation and batch_idx == 0 and not trainer.sanity_checking
+                and trainer.is_global_zero and not Path(ours.pause_dir, marker).exists()):  # once, not on a resume
+            pending_validation.discard(epoch)
+            hold(self, marker)
+        return original_validation(self, batch, batch_idx)
+
     readme.Regressor.training_step = training_step
+    readme.Regressor.validation_step = validation_step
     return int(readme.main(rest))
 
 

@@ -233,6 +233,18 @@ def test_follower_rank_reads_rank0_grant(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert pool.devices == 2 and pool.resume_from == "/x.ckpt" and pool.runtime.lease is None
 
 
+def test_follower_rank_takes_the_job_name_rank0_exported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Under `gpupool run --name ddp -- torchrun ...` with ``name="boring"`` in the script, rank 0 takes the
+    launcher's name; rank 1 kept ``boring`` and said "boring preempted ... (resume from .../boring-preempt-step93.ckpt)",
+    a file nobody wrote. A follower takes the name its grant was exported under."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("GPUPOOL_LEASED", "1")
+    monkeypatch.setenv("GPUPOOL_DEVICES", "2")
+    monkeypatch.setenv("GPUPOOL_JOB", "ddp")
+    pool = GpuPoolCallback(memory="1GiB", name="boring", checkpoint_dir=tmp_path)
+    assert pool.job == "ddp" and pool.runtime.book.job == "ddp" and pool.runtime.publisher.job == "ddp"
+
+
 @pytest.mark.gpu
 def test_cuda_events_time_device_phases_on_a_gpu(tmp_path: Path) -> None:
     lease = FakeLease("gpu")

@@ -119,6 +119,29 @@ def test_sigterm_to_the_script_and_to_gpupool_run_checkpoint_requeue_and_match(
     assert_same(base, Path(out))
 
 
+def test_sigterm_inside_validation_resumes_into_that_validation_with_early_stopping_strict(
+    live_pool: LivePool, tmp_path: Path
+) -> None:
+    """A SIGTERM that lands while ``fit`` validates (the end of epoch 1) is acted on after that validation
+    batch. The checkpoint used to resume into an epoch end whose validation never ran: the default
+    ``EarlyStopping`` (it checks at the train epoch's end) raised for the missing ``val_loss`` at every
+    restart, and the job failed. The resumed run validates again and ends like an uninterrupted one."""
+    live_pool.start("node-a:1xA100-40GB")
+    base = baseline(live_pool, tmp_path)
+    out = str(tmp_path / "val.pt")
+    run = live_pool.gpupool("val", "run", "--name", "val", "--memory", "30GiB", "--max-restarts", "1", "--",
+                            sys.executable, PAUSED, "--pause-dir", str(live_pool.tmp), "--pause-in-validation", "1",
+                            *ARGS, "--out", out)
+    wait_for(lambda: (live_pool.tmp / "paused-in-validation-1").exists(), LONG, what="the script to validate")
+    (script,) = children(run.pid, "paused_train")
+    os.kill(script, signal.SIGTERM)
+    assert live_pool.wait_exit(run, "val", LONG) == 0, live_pool.log("val")
+    log = live_pool.log("val")
+    assert "preempted; queueing again" in log and "crashed" not in log, log
+    assert (live_pool.tmp / "ckpt" / "val-signal-step48.ckpt").exists(), log
+    assert_same(base, Path(out))
+
+
 def test_a_crash_is_restarted_from_the_checkpoint_and_a_crash_past_the_budget_shows_failed(
     live_pool: LivePool, tmp_path: Path
 ) -> None:
@@ -143,6 +166,20 @@ def test_a_crash_is_restarted_from_the_checkpoint_and_a_crash_past_the_budget_sh
     assert results["doomed"]["state"] == "FAILED" and results["doomed"]["exit_code"] == 1
     assert "exit code 1" in results["doomed"]["reason"]
     assert "crash" not in results  # a finished run leaves no FAILED result
+
+
+def test_a_script_that_refuses_the_launchers_spec_is_not_restarted(live_pool: LivePool, tmp_path: Path) -> None:
+    """A callback asking another priority than `gpupool run --priority` stops at once with a ConfigError
+    naming both; the launcher used to count that as a crash and queue, lease and run it again
+    --max-restarts times. It exits 2 (bad usage) after the first run, naming the field."""
+    live_pool.start("node-a:1xA100-40GB")
+    run = live_pool.gpupool("mism", "run", "--name", "mism", "--memory", "1GiB", "--", sys.executable, SCRIPT,
+                            "--priority", "5", "--out", str(tmp_path / "m.pt"))
+    assert live_pool.wait_exit(run, "mism", LONG) == 2, live_pool.log("mism")
+    log = live_pool.log("mism")
+    assert log.count("running:") == 1 and "crashed" not in log, log
+    assert "priority" in log.splitlines()[-1] and "not restarted" in log, log
+    wait_for(lambda: live_pool.status("mism") is None, what="the job's keys to go")
 
 
 def test_a_script_killed_by_a_signal_is_reported_as_such_and_restarted(live_pool: LivePool, tmp_path: Path) -> None:
