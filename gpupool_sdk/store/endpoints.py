@@ -43,7 +43,9 @@ def parse_endpoints(endpoints: str | Sequence[str] | None) -> tuple[str, ...]:
         if not ep:
             continue
         host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if sep and host and port.isdigit() and not 0 < int(port) < 65536:
+            raise ConfigError("endpoints", f"{raw!r}: port {int(port)} is out of range (1-65535)")
+        if not sep or not host or not port.isdigit():
             raise ConfigError(
                 "endpoints", f"{raw!r} is not host:port; use e.g. '127.0.0.1:2379' (comma-separate several, or set {ENDPOINTS_ENV})"
             )

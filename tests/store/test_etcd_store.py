@@ -176,6 +176,13 @@ def test_bad_endpoints_name_the_field(endpoints: str, field: str) -> None:
     assert info.value.field == field
 
 
+def test_an_endpoint_with_a_port_out_of_range_says_so() -> None:
+    """``127.0.0.1:99999`` is host:port in form: the message said "is not host:port" and left the user guessing."""
+    with pytest.raises(ConfigError) as info:
+        EtcdStore("127.0.0.1:99999")
+    assert info.value.field == "endpoints" and "port 99999 is out of range (1-65535)" in str(info.value)
+
+
 def test_endpoints_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUPOOL_ENDPOINTS", "http://a:1, b:2,a:1")
     monkeypatch.setenv("ETCDCTL_ENDPOINTS", "c:3")

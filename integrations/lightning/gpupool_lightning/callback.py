@@ -142,7 +142,7 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
         self._broadcast: Any = None
         self._resumable: list[ResumableDataLoader] = []
         self._last_checkpoint: str | None = None
-        #: A directive seen at an epoch's last batch waits for the next training step.
+        #: A directive seen at an epoch's last batch waits for the first validation batch (else the next step).
         self._at_epoch_end = False
         #: The checkpoint being written is taken inside a validation loop of ``fit``.
         self._rewind_validation = False
@@ -314,10 +314,11 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
             check = int(trainer.global_step) % every == 0
         self._at_epoch_end = False
         if check and not rt.inbox.lost and self._validation_follows(trainer, batch_idx):
-            # The epoch's last batch, with its validation next: a checkpoint here, inside that
-            # validation or at that epoch's end resumes into an epoch end whose validation never
-            # ran, and EarlyStopping(strict=True) raises for the missing metric. The next
-            # training step acts instead (every rank alike): a plain mid-epoch checkpoint.
+            # The epoch's last batch, with its validation next: a checkpoint here resumes into an
+            # epoch end whose validation never ran, and EarlyStopping(strict=True) raises for the
+            # missing metric. The first validation batch acts instead (its checkpoint resumes into
+            # that validation: _rewind_validation); on a Lightning that cannot resume a validation,
+            # the next training step (every rank alike): a plain mid-epoch checkpoint.
             self._at_epoch_end = True
             check = False
         if check:
@@ -346,7 +347,7 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
     # Directives that arrive while another loop runs are honoured within one batch of it.
     def _loop_batch_end(self, trainer: Any) -> None:
         rt = self.runtime
-        if self._at_epoch_end and not rt.inbox.lost:
+        if self._at_epoch_end and not rt.inbox.lost and not _fit_validating(trainer):
             return  # the next training step acts (see on_train_batch_end)
         if self._broadcast is None and not rt.inbox.attention:
             return

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pause-at", type=int, action="append", default=[], help="hold inside this training step")
     p.add_argument("--pause-in-validation", type=int, action="append", default=[],
                    help="hold inside the first validation batch of this epoch (not the sanity check)")
+    p.add_argument("--validation-sleep", type=float, default=0.0,
+                   help="seconds each validation batch of fit takes (a long validation)")
     p.add_argument("--pause-dir", required=True, help="where paused-at-STEP files are written")
     p.add_argument("--pause-limit", type=float, default=600.0, help="seconds a pause lasts at most")
     ours, rest = p.parse_known_args(argv)
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                 and trainer.is_global_zero and not Path(ours.pause_dir, marker).exists()):  # once, not on a resume
             pending_validation.discard(epoch)
             hold(self, marker)
+        if ours.validation_sleep and not trainer.sanity_checking:
+            time.sleep(ours.validation_sleep)
         return original_validation(self, batch, batch_idx)
 
     readme.Regressor.training_step = training_step

@@ -481,7 +481,8 @@ def test_a_shuffled_loader_resumed_mid_epoch_gives_bit_identical_weights(loader:
 
 def test_a_preempt_at_an_epochs_last_batch_resumes_with_early_stopping_strict(tmp_path: Path) -> None:
     """Preempted at the last training batch of an epoch, with validation next and EarlyStopping(strict=True):
-    the checkpoint is taken at the next training step, and the resumed run finishes with the same weights."""
+    the checkpoint is taken after the first validation batch (it resumes into that validation), and the
+    resumed run finishes with the same weights."""
     from pytorch_lightning.callbacks import EarlyStopping
 
     def run(pool: GpuPoolCallback, ckpt: str | None = None) -> tuple[Any, Any]:
@@ -497,7 +498,7 @@ def test_a_preempt_at_an_epochs_last_batch_resumes_with_early_stopping_strict(tm
     pool = GpuPoolCallback(memory="1GiB", name="es", client=FakeClient(lease), checkpoint_dir=tmp_path / "s")
     with pytest.raises(SystemExit) as exc:
         run(pool)
-    assert exc.value.code == 75 and lease.acks[0]["step"] == 9
+    assert exc.value.code == 75 and lease.acks[0]["step"] == 8  # in epoch 0's validation, not at step 9
     again = GpuPoolCallback(memory="1GiB", name="es", client=FakeClient(FakeLease("es")), checkpoint_dir=tmp_path / "s")
     trainer, resumed = run(again, again.resume_from)
     assert trainer.global_step == 24
@@ -535,6 +536,6 @@ def test_sigterm_where_lightning_would_stop_still_checkpoints_and_exits_75(when:
     finally:
         signal.signal(signal.SIGTERM, before)
     assert exc.value.code == 75 and lease.released
-    step = 9 if when == "at_an_epochs_last_batch" else 4  # the next training step acts
+    step = 8 if when == "at_an_epochs_last_batch" else 4  # the first validation batch, or the next step acts
     assert trainer.global_step == step and pool.runtime.resume_from
     assert pool.runtime.resume_from.endswith(f"late-signal-step{step}.ckpt") and Path(pool.runtime.resume_from).exists()

@@ -168,6 +168,35 @@ def test_a_crash_is_restarted_from_the_checkpoint_and_a_crash_past_the_budget_sh
     assert "crash" not in results  # a finished run leaves no FAILED result
 
 
+def test_a_preempt_at_an_epochs_last_batch_is_acted_on_before_a_long_validation(
+    live_pool: LivePool, tmp_path: Path
+) -> None:
+    """A directive seen at an epoch's last training batch used to wait for the whole validation (and the
+    next training step): a validation longer than the job's preempt grace lost the lease (forced
+    preemption, emergency checkpoint). It is acted on after the first validation batch; the checkpoint
+    resumes into that validation and the run ends like an uninterrupted one."""
+    live_pool.start("node-a:1xA100-40GB")
+    base = baseline(live_pool, tmp_path)
+    out = str(tmp_path / "last.pt")
+    # 24 steps an epoch: held inside step 23, the last of epoch 0; 4 validation batches of 2 s > grace 3 s.
+    run = live_pool.gpupool("last", "run", "--name", "last", "--memory", "30GiB", "--preempt-grace", "3", "--",
+                            sys.executable, PAUSED, "--pause-dir", str(live_pool.tmp), "--pause-at", "23",
+                            "--validation-sleep", "2", *ARGS, "--out", out)
+    wait_paused(live_pool, 23)
+    client = PoolClient(endpoints=live_pool.endpoint, prefix=live_pool.keys.prefix)
+    try:
+        lease = client.acquire(JobSpec(name="urgent", memory="30GiB", qos="guaranteed", priority=10), timeout=120)
+        wait_for(lambda: "queueing again" in live_pool.log("last"), LONG, what="last to be re-queued")
+        lease.release()
+    finally:
+        client.close()
+    assert live_pool.wait_exit(run, "last", LONG) == 0, live_pool.log("last")
+    log = live_pool.log("last")
+    assert "lease lost" not in log and "emergency" not in log, log
+    assert (live_pool.tmp / "ckpt" / "last-preempt-step24.ckpt").exists(), log
+    assert_same(base, Path(out))
+
+
 def test_a_script_that_refuses_the_launchers_spec_is_not_restarted(live_pool: LivePool, tmp_path: Path) -> None:
     """A callback asking another priority than `gpupool run --priority` stops at once with a ConfigError
     naming both; the launcher used to count that as a crash and queue, lease and run it again
