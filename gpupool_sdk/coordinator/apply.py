@@ -356,6 +356,13 @@ def plan(
             for a in view.allocations
             if (k := ks.allocation(a.node, a.gpu_uuid, job)) not in new_keys
         )
+        # Allocations of this job on its own lease that no grant wrote (the snapshot lists them as
+        # orphans): garbage, deleted with the grant so that they never join the job's slices.
+        ops.extend(
+            DeleteOp(o.key)
+            for o in state.orphans
+            if o.allocation is not None and o.allocation.job == job and o.lease == meta.lease and o.key not in new_keys
+        )
         if view.directive is not None:
             ops.append(DeleteOp(ks.directive(job)))
         where = ", ".join(sorted({s.node for s in decision.slices}))

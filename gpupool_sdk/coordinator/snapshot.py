@@ -22,7 +22,8 @@ the lease ids of one consistent read:
 Anything else is a :class:`Problem` (logged once per key and revision), never granted and never
 counted as capacity. Allocations are a different matter: *every* allocation in etcd takes
 physical memory, whoever wrote it. One that belongs to no live job (no lease, no valid spec, or
-a lease other than its spec's) is an :class:`Orphan`: listed as a problem, counted as used by
+a lease other than its spec's), or to a job whose status is not a holding one (the leader writes
+allocations only together with GRANTED), is an :class:`Orphan`: listed as a problem, counted as used by
 the scheduler (``ClusterSnapshot.orphans``) and garbage-collected by the leader after a grace.
 """
 
@@ -455,17 +456,6 @@ def build_state(
         bad(kv.key, f"orphan: {reason}" + ("; counted as used until the leader deletes it" if allocation else ""),
             kv.mod_revision)
 
-    allocations: list[Allocation] = []
-    allocs_by_job: dict[str, list[Allocation]] = {}
-    granted_rev: dict[str, int] = {}  # revision of each job's grant (its allocations' earliest creation)
-    for a, kv in alloc_kvs:
-        allocations.append(a)
-        why = owner_problem(a.job, kv)
-        if why is None:
-            allocs_by_job.setdefault(a.job, []).append(a)
-            granted_rev[a.job] = min(granted_rev.get(a.job, kv.create_revision), kv.create_revision)
-        else:
-            orphan(kv, why, a)
     statuses: dict[str, tuple[JobStatus, int]] = {}
     for job, (st_, kv) in status_kvs.items():
         why = owner_problem(job, kv)
@@ -473,6 +463,25 @@ def build_state(
             statuses[job] = (st_, kv.mod_revision)
         else:
             orphan(kv, why)
+    allocations: list[Allocation] = []
+    allocs_by_job: dict[str, list[Allocation]] = {}
+    granted_rev: dict[str, int] = {}  # revision of each job's grant (its allocations' earliest creation)
+    for a, kv in alloc_kvs:
+        allocations.append(a)
+        why = owner_problem(a.job, kv)
+        if why is None:
+            # The leader writes a job's allocations in the same transaction as a holding status
+            # (GRANTED), and deletes them in the one that ends it: one beside no such status was
+            # written by someone else, and the job does not hold it (it stays schedulable).
+            held_by = statuses.get(a.job)
+            if held_by is None or held_by[0].state not in HOLDING_STATES:
+                state = "no status" if held_by is None else f"status {held_by[0].state.value}"
+                why = f"job {a.job!r} holds no grant ({state}): not written by the leader"
+        if why is None:
+            allocs_by_job.setdefault(a.job, []).append(a)
+            granted_rev[a.job] = min(granted_rev.get(a.job, kv.create_revision), kv.create_revision)
+        else:
+            orphan(kv, why, a)
     directives: dict[str, Directive] = {}
     for job, (d, kv) in directive_kvs.items():
         why = owner_problem(job, kv)

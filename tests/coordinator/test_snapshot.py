@@ -116,6 +116,7 @@ def test_gang_members_on_their_own_leases_and_only_those_of_the_grant() -> None:
     uuid = "GPU-sim-node-a-0"
     it.put(KS.allocation("node-a", uuid, "g"), Allocation("g", "node-a", uuid, 0, 10 * GiB, 1.0, QoS.GUARANTEED, 1, 0.0),
            lease=0xA)
+    it.put(KS.job_status("g"), JobStatus(JobState.GRANTED, "granted", 0.0, 0.0, 0.0, term=1, gpus=1), lease=0xA)
     # node-b's process restarted after the grant: its new member key is not the one granted with.
     it.put(KS.job_member("g", "node-b"), GangMember("g", "node-b", 1, 2), lease=0xE)  # created anew
     assert [m.node for m in build_state(it.kvs, KS, NOW).snapshot.jobs["g"].members] == ["node-a"]

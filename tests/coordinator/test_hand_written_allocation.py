@@ -1,0 +1,64 @@
+"""A hand-written allocation for a live job, on a GPU no agent publishes, is garbage, not a grant.
+
+Garbage in etcd (real etcd, the real coordinator loop in-process): a job's spec is live on its
+lease with no status yet, and someone wrote ``allocations/{node}/{gpu}/{job}`` by hand on that
+same lease, for a GPU that no agent publishes. The leader writes allocations only in the
+transaction that makes a job GRANTED, so this one is not a grant: before the fix the job counted
+as holding it, was never scheduled (a pending job holding allocations is skipped) and never
+preempted (it was not GRANTED), and stayed PENDING for good. Now the key is an orphan: named as
+a problem, deleted after the grace, and the job is granted a GPU the agent publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from testkit import publish_gpus, wait_for
+
+from gpupool_sdk.config import LeaseTiming
+from gpupool_sdk.coordinator import Coordinator, CycleReport
+from gpupool_sdk.inventory.simulated import parse_cluster_spec
+from gpupool_sdk.resources import Allocation, GiB, JobSpec, JobState, JobStatus, QoS
+from gpupool_sdk.scheduler.types import SchedulerConfig
+from gpupool_sdk.store import EtcdStore
+from gpupool_sdk.store.codec import decode
+
+TIMING = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
+
+
+def test_a_hand_written_allocation_for_a_job_without_a_grant_is_an_orphan(
+    store: EtcdStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    publish_gpus(store, [gpu])
+    reports: list[CycleReport] = []
+    coord = Coordinator(store, SchedulerConfig(), TIMING, "hand-alloc", loop_wait_s=0.2, orphan_grace_s=1.0,
+                        on_cycle=reports.append)  # fmt: skip
+    lease = store.grant_lease(60)
+    ghost = store.keys.allocation("node-z", "GPU-ghost-0", "j")
+    store.put(ghost, Allocation("j", "node-z", "GPU-ghost-0", 0, 8 * GiB, 0.5, QoS.GUARANTEED, 1, time.time()),
+              lease=lease)  # fmt: skip
+    store.create(store.keys.job_spec("j"), JobSpec(name="j", gpus=1, memory="8GiB", owner="alice"), lease=lease)
+    t = threading.Thread(target=coord.run, daemon=True)
+    t.start()
+    try:
+        def granted() -> JobStatus | None:
+            got = store.get_record(store.keys.job_status("j"), JobStatus)
+            return got[0] if got is not None and got[0].state is JobState.GRANTED else None
+
+        wait_for(granted, 30, "job j to be granted a published GPU")
+        wait_for(lambda: store.get(ghost) is None, 30, "the leader to delete the hand-written allocation")
+        kvs, _ = store.get_prefix(store.keys.allocations_prefix())
+        held = [decode(kv.key, kv.value, Allocation) for kv in kvs]
+        assert [(a.job, a.gpu_uuid) for a in held] == [("j", gpu.uuid)]
+        assert any(ghost in r.getMessage() and "holds no grant" in r.getMessage() for r in caplog.records), [
+            r.getMessage() for r in caplog.records
+        ]
+    finally:
+        coord.stop()
+        t.join(20)
+        assert not t.is_alive()
