@@ -19,12 +19,12 @@ import pytest
 from click.testing import CliRunner
 from testkit import publish_gpus
 
+from coordinator.drivenpool import DrivenCycles
 from gpupool_sdk.cli.job_cmd import describe
 from gpupool_sdk.config import LeaseTiming
-from gpupool_sdk.coordinator.apply import Applier, ApplyReport
+from gpupool_sdk.coordinator.apply import Applier
 from gpupool_sdk.coordinator.election import Election, ElectionTiming
 from gpupool_sdk.coordinator.fencing import FencedWriter
-from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
 from gpupool_sdk.resources import (
     Ack,
@@ -48,7 +48,7 @@ CFG = st.SchedulerConfig(aging_s_per_priority=0.0, migrate_for_fragmentation=Tru
 
 
 @dataclass
-class Pool:
+class Pool(DrivenCycles):
     store: EtcdStore
     election: Election
     applier: Applier
@@ -56,16 +56,6 @@ class Pool:
     gpus: list[GpuInfo]
     leases: dict[str, int]
 
-    def state(self, now: float) -> PoolState:
-        kvs, rev = self.store.get_prefix(self.store.keys.root())
-        return build_state(kvs, self.store.keys, now, rev, self.election.term)
-
-    def cycle(self, now: float) -> tuple[list[st.Decision], ApplyReport]:
-        state = self.state(now)
-        decisions = self.scheduler.schedule(state.snapshot)
-        report = self.applier.apply(decisions, state)
-        assert report.lost == 0
-        return decisions, report
 
     def submit(self, name: str, memory: str) -> None:
         self.leases[name] = self.store.grant_lease(60)

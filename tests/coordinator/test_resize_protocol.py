@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from testkit import publish_gpus
 
+from coordinator.drivenpool import DrivenCycles
 from gpupool_sdk.config import LeaseTiming
-from gpupool_sdk.coordinator.apply import Applier, ApplyReport, plan
+from gpupool_sdk.coordinator.apply import Applier, plan
 from gpupool_sdk.coordinator.election import Election, ElectionTiming
 from gpupool_sdk.coordinator.fencing import FencedWriter
-from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
 from gpupool_sdk.resources import (
     Ack,
@@ -47,7 +47,7 @@ CFG = st.SchedulerConfig(aging_s_per_priority=0.0, resize_retry_s=300.0)
 
 
 @dataclass
-class Pool:
+class Pool(DrivenCycles):
     store: EtcdStore
     election: Election
     applier: Applier
@@ -55,16 +55,6 @@ class Pool:
     gpus: list[GpuInfo]
     lease: int
 
-    def state(self, now: float) -> PoolState:
-        kvs, rev = self.store.get_prefix(self.store.keys.root())
-        return build_state(kvs, self.store.keys, now, rev, self.election.term)
-
-    def cycle(self, now: float) -> tuple[list[st.Decision], ApplyReport]:
-        state = self.state(now)
-        decisions = self.scheduler.schedule(state.snapshot)
-        report = self.applier.apply(decisions, state)
-        assert report.lost == 0
-        return decisions, report
 
     def hold(self, job: str, gpus: list[GpuInfo]) -> None:
         ks = self.store.keys

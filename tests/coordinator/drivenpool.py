@@ -1,0 +1,32 @@
+"""A pool whose cycles a test drives by hand: snapshot, schedule, apply (real etcd, no coordinator loop)."""
+
+from __future__ import annotations
+
+from gpupool_sdk.coordinator.apply import Applier, ApplyReport
+from gpupool_sdk.coordinator.election import Election
+from gpupool_sdk.coordinator.snapshot import PoolState, build_state
+from gpupool_sdk.scheduler import Scheduler
+from gpupool_sdk.scheduler import types as st
+from gpupool_sdk.store import EtcdStore
+
+
+class DrivenCycles:
+    """Mixin for a test's pool dataclass holding ``store``, ``election``, ``applier`` and ``scheduler``."""
+
+    store: EtcdStore
+    election: Election
+    applier: Applier
+    scheduler: Scheduler
+
+    def state(self, now: float) -> PoolState:
+        """The pool as the leader would read it at ``now``."""
+        kvs, rev = self.store.get_prefix(self.store.keys.root())
+        return build_state(kvs, self.store.keys, now, rev, self.election.term)
+
+    def cycle(self, now: float) -> tuple[list[st.Decision], ApplyReport]:
+        """One cycle at ``now``: the scheduler's decisions and what the applier wrote (nothing lost)."""
+        state = self.state(now)
+        decisions = self.scheduler.schedule(state.snapshot)
+        report = self.applier.apply(decisions, state)
+        assert report.lost == 0
+        return decisions, report
