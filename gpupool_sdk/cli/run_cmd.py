@@ -478,6 +478,8 @@ def _lease_for(client: Any, spec: JobSpec, lease: Any, timeout: float | None, no
     """``lease`` when the launcher still holds one (after a resize), else a new one: acquired, or joined for a gang."""
     if lease is not None:
         return lease
+    if not spec.is_gang and spec.node is None:
+        client.local_node()  # which node this machine is: a ConfigError here comes before "queueing"
     say(f"queueing {spec.name}: {spec.describe()}")
     on_status = lambda st: say(f"{st.state.value}: {st.reason}")  # noqa: E731
     if spec.is_gang:

@@ -138,9 +138,9 @@ class Pool:
 
     # processes --------------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         p = subprocess.Popen(
             [sys.executable, "-m", "gpupool_sdk.cli.main", *args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env
         )

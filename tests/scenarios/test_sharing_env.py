@@ -122,3 +122,25 @@ def test_under_gpupool_run_the_script_runs_the_gate_from_the_launchers_plan(pool
     assert r.returncode == 0, r.stdout + r.stderr
     got = _line(r.stdout, "GATE")
     assert got == {"mechanism": "timeslice", "running": True, "gpu": pool.gpu_uuids()[0], "share": 0.4}, got
+
+
+def test_gpupool_run_that_cannot_tell_its_node_says_so_before_queueing(pool: Pool, tmp_path: Path) -> None:
+    """One agent publishing two simulated nodes from this machine and no ``GPUPOOL_NODE``: the
+    launcher exits 2 naming ``GPUPOOL_NODE``, and never says it is queueing (before, it printed
+    "queueing <job>" first, then the error: an operator read that the job was queued)."""
+    runtime = tmp_path / "runtime"
+    pool._spawn("agent", ["agent", "--endpoints", pool.endpoint, "--prefix", pool.keys.prefix,
+                          "--simulate", "node-a:1xA100-40GB:pcie,node-b:1xA100-40GB:pcie", "--ttl", "6",
+                          "--refresh", "0.5"], env={"GPUPOOL_RUNTIME_DIR": str(runtime)})  # fmt: skip
+    wait_for(lambda: len(pool.gpu_uuids()) == 2, what="the agent to publish both nodes")
+    env = {**_env(pool), "GPUPOOL_RUNTIME_DIR": str(runtime)}
+    env.pop("GPUPOOL_NODE")
+    r = subprocess.run(
+        [sys.executable, "-m", "gpupool_sdk.cli.main", "run", "--name", "which-node", "--gpus", "1", "--memory", "1GiB",
+         "--acquire-timeout", "30", "--", sys.executable, "-c", "print('ran')"],
+        env=env, capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert "GPUPOOL_NODE" in out and "ran" not in r.stdout, out
+    assert "queueing" not in out, out
