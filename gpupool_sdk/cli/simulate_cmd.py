@@ -68,6 +68,9 @@ from gpupool_sdk.cli.common import echo_json, output_option
 @click.option("--rigid-applications", is_flag=True, default=False,
               help="Workload: rows of the adaptive Pollux/Sia applications (application= in extra) run on the "
                    "GPUs they ask, rigid (default: they may grow to 4x that under gpupool, as in Pollux and Sia).")
+@click.option("--application-hours", "application_hours", multiple=True, metavar="NAME=GPU_HOURS",
+              help="Workload: GPU-hours of an application= that rows name without duration_s (adds to or replaces "
+                   "the built-in table of Pollux/Sia applications; repeatable). Such a new application is rigid.")
 @click.option("--elastic-sigma", default=0.05, show_default=True, type=float, metavar="SIGMA",
               help="Serial fraction of the elastic speed-up: throughput(k) = k / (1 + SIGMA*(k-1)), "
                    "normalised to the GPUs the trace asked for (0 = linear).")
@@ -111,6 +114,7 @@ def simulate(
     no_estimates: bool,
     elastic: str,
     rigid_applications: bool,
+    application_hours: tuple[str, ...],
     elastic_sigma: float,
     max_pending: int | None,
     gandiva_quantum_s: float,
@@ -146,7 +150,7 @@ def simulate(
         run_simulation,
         write_plot,
     )
-    from gpupool_sdk.sim.trace import load_trace
+    from gpupool_sdk.sim.trace import load_trace, parse_application_hours
 
     overrides: dict[str, object] = {}
     flags: dict[str, str] = {}
@@ -206,9 +210,13 @@ def simulate(
     except ConfigError as exc:
         flag = "--gandiva-" + exc.field.removesuffix("_s").replace("_", "-") + "-s"
         raise ConfigError(flag, str(exc).split(": ", 1)[1]) from None
+    try:
+        app_hours = parse_application_hours(application_hours)
+    except ConfigError as exc:
+        raise ConfigError("--application-hours", str(exc).split(": ", 1)[1]) from None
     trace = load_trace(
         trace_path, seed=seed, max_jobs=max_jobs, time_scale=time_scale, censored=censored, sources=sources,
-        max_duration_s=max_duration, adaptive_applications=not rigid_applications,
+        max_duration_s=max_duration, adaptive_applications=not rigid_applications, application_gpu_hours=app_hours,
     )
     try:
         sim_config = SimConfig(

@@ -101,6 +101,33 @@ class TraceError(ConfigError):
     """A trace file is missing, has a bad header, or a malformed row (the message names row and column)."""
 
 
+def parse_application_hours(pairs: Sequence[str]) -> dict[str, float]:
+    """The application table for :func:`load_trace`: :data:`APPLICATION_GPU_HOURS` plus
+    ``NAME=GPU_HOURS`` pairs (a pair for a known name replaces its value).
+
+    Raises:
+        ConfigError: a pair without ``=`` or a name, or hours that are not a positive number.
+
+    Example:
+        >>> parse_application_hours(["gpt2=12", "bert=4"])["gpt2"], parse_application_hours(["bert=4"])["bert"]
+        (12.0, 4.0)
+    """
+    out = dict(APPLICATION_GPU_HOURS)
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip()
+        try:
+            hours = float(value) if sep and name else math.nan
+        except ValueError:
+            hours = math.nan
+        if not (math.isfinite(hours) and hours > 0):
+            raise ConfigError(
+                "application_gpu_hours", f"expected NAME=GPU_HOURS with hours > 0 (e.g. gpt2=12), got {pair!r}"
+            )
+        out[name] = hours
+    return out
+
+
 def default_traces_dir() -> Path:
     """``$GPUPOOL_TRACES_DIR`` if set, else ``../shared/traces`` relative to the repository root."""
     env = os.environ.get(TRACES_DIR_ENV)
@@ -447,7 +474,8 @@ def load_trace(
                 if app not in apps:
                     raise r.fail(
                         "extra",
-                        f"application {app!r} has no known duration; add duration_s or one of {sorted(apps)}",
+                        f"application {app!r} has no known duration; add duration_s to the row, give its GPU-hours "
+                        f"(gpupool simulate --application-hours {app}=GPU_HOURS), or use one of {sorted(apps)}",
                     )
                 duration = apps[app] * 3600.0 / num_gpu
                 origin = "application"

@@ -154,6 +154,9 @@ def test_gandiva_runs_with_fifo_and_takes_its_knobs(tmp_path: Path) -> None:
         (["--undeclared", "1.5"], "--undeclared"),
         (["--early-stop", "x"], "--early-stop"),
         (["--class-priority", "LS=high"], "--class-priority"),
+        (["--application-hours", "gpt2"], "--application-hours"),
+        (["--application-hours", "gpt2=-1"], "--application-hours"),
+        (["--application-hours", "=3"], "--application-hours"),
     ],
 )
 def test_bad_flag_values_name_the_flag(tmp_path: Path, args: list[str], flag: str) -> None:
@@ -226,3 +229,22 @@ def test_help_states_the_policy_defaults_it_overrides() -> None:
     ladder = ",".join(f"{t:g}" for t in DEFAULT_SCHEDULER.las_threshold_gpu_s)
     assert f"default: the policy's, {ladder})" in text, text
     assert f"default {DEFAULT_SCHEDULER.overcommit_ratio:g})" in text
+
+
+def test_an_application_the_table_does_not_know_names_the_flag_that_sizes_it(tmp_path: Path) -> None:
+    # A trace never seen, whose rows carry only an application= the built-in table lacks: the
+    # error names the row, the column and --application-hours; with the flag it runs, and the
+    # job's run time is its GPU-hours over the GPUs it asks (8 GPU-h on 2 GPUs: 4 h).
+    rows = "job_id,source,submit_s,num_gpu,extra\na,t,0,2,application=gpt2;batch_size=32\n"
+    res = _run_cli(tmp_path, rows, "--policy", "fifo", "-o", "json")
+    assert res.exit_code != 0
+    assert "row 2" in str(res.exception) and "'extra'" in str(res.exception)
+    assert "--application-hours gpt2=GPU_HOURS" in str(res.exception)
+    two = "2xV100-32GB"
+    trace = tmp_path / "rows.csv"
+    res = CliRunner().invoke(
+        simulate, ["--trace", str(trace), "--cluster", two, "--policy", "fifo", "--application-hours", "gpt2=8",
+                   "-o", "json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["policies"]["fifo"]["avg_jct_s"] == 4 * 3600.0
