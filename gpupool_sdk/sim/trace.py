@@ -401,7 +401,9 @@ def load_trace(
         rows=0, skipped_cpu_only=0, censored=0, dropped_censored=0, dropped_by_filter=0,
     )
     seen: dict[tuple[str, str], int] = {}
-    with p.open(newline="") as fh:
+    # utf-8-sig: a file saved by a spreadsheet starts with a byte-order mark, which would
+    # otherwise become part of the first column's name.
+    with p.open(newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         header = [h.strip() for h in (reader.fieldnames or [])]
         if not header:
@@ -437,7 +439,11 @@ def load_trace(
             num_gpu_f = r.number("num_gpu", required=True)
             assert num_gpu_f is not None
             if num_gpu_f != int(num_gpu_f):
-                raise r.fail("num_gpu", f"must be a whole number of GPUs, got {r.text('num_gpu')!r}")
+                hint = (
+                    f"; for a share of one GPU write num_gpu=1 and gpu_fraction={num_gpu_f:g}"
+                    if 0 < num_gpu_f < 1 else ""
+                )
+                raise r.fail("num_gpu", f"must be a whole number of GPUs, got {r.text('num_gpu')!r}{hint}")
             num_gpu = int(num_gpu_f)
             frac = r.number("gpu_fraction", required=False)
             if num_gpu == 0:

@@ -115,3 +115,19 @@ def test_adaptive_application_rows_are_elastic_above_their_ask(tmp_path: Path) -
     rigid = load_trace(_write(tmp_path, text), duration_samples=[42.0], adaptive_applications=False)
     assert [j.is_elastic for j in rigid.jobs] == [False, True, False, False]
     assert rigid.stats.elastic == 1
+
+
+def test_a_spreadsheet_file_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    # Saved by a spreadsheet: UTF-8 byte-order mark and CRLF line ends; the first column is
+    # still job_id (not '\ufeffjob_id', which made the header look as if job_id were missing).
+    p = tmp_path / "excel.csv"
+    p.write_bytes(b"\xef\xbb\xbf" + HEADER.replace("\n", "\r\n").encode() + b"a,s,0,,,100,1,,,,\r\n")
+    trace = load_trace(p)
+    assert [j.job_id for j in trace.jobs] == ["a"] and trace.jobs[0].duration_s == 100.0
+
+
+def test_a_fractional_num_gpu_says_how_to_write_a_share(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match=r"row 2, column 'num_gpu'.*num_gpu=1 and gpu_fraction=0.5"):
+        load_trace(_write(tmp_path, HEADER + "a,s,0,,,100,0.5,,,,\n"))
+    with pytest.raises(TraceError, match=r"row 2, column 'num_gpu': must be a whole number of GPUs, got '1.5'$"):
+        load_trace(_write(tmp_path, HEADER + "a,s,0,,,100,1.5,,,,\n"))
