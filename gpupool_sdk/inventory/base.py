@@ -1,8 +1,9 @@
 """The inventory backend interface and the simulated backend.
 
-A backend describes one node: :meth:`InventoryBackend.node_info` and
-:meth:`InventoryBackend.gpus` (with health read afresh on every call). The node agent publishes
-what it returns. Two backends exist: :class:`SimulatedBackend` (GPUs declared with
+A backend describes one node: :meth:`InventoryBackend.node_info`,
+:meth:`InventoryBackend.gpus` (with health read afresh on every call) and
+:meth:`InventoryBackend.readings` (the usage readings that call read). The node agent publishes
+what they return. Two backends exist: :class:`SimulatedBackend` (GPUs declared with
 ``--simulate``) and :class:`~gpupool_sdk.inventory.nvml.NvmlBackend` (real GPUs).
 
 Fault file (simulated GPUs only): a JSON object read on every refresh, mapping a GPU UUID to the
@@ -33,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from gpupool_sdk.inventory.health import HealthSample, HealthThresholds, judge_health
 from gpupool_sdk.inventory.simulated import NodeDecl, parse_nodes
-from gpupool_sdk.resources.gpu import GpuHealth, GpuInfo, NodeInfo
+from gpupool_sdk.resources.gpu import GpuHealth, GpuInfo, GpuReadings, NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class InventoryBackend(Protocol):
 
     def gpus(self) -> list[GpuInfo]:
         """Every GPU of the node, in index order, with health read now."""
+        ...
+
+    def readings(self) -> Mapping[str, GpuReadings]:
+        """The usage readings the last :meth:`gpus` call read, by GPU UUID (GPUs without any: absent)."""
         ...
 
     def close(self) -> None:
@@ -148,7 +153,8 @@ class SimulatedBackend:
 
     Health comes from, in order: an override set with :meth:`set_health`; else idle readings
     (40 C, 10 % of the board power) with the fault file's readings on top, judged by
-    :func:`~gpupool_sdk.inventory.health.judge_health`.
+    :func:`~gpupool_sdk.inventory.health.judge_health`. A simulated GPU has no usage readings
+    unless a test or demo gives it some with :meth:`set_readings`.
 
     Args:
         decl: the node declaration (from :func:`~gpupool_sdk.inventory.simulated.parse_nodes`).
@@ -175,6 +181,7 @@ class SimulatedBackend:
         self._fault_file = FaultFile(fault_file) if fault_file is not None else None
         self._thresholds = thresholds or HealthThresholds()
         self._overrides: dict[str, GpuHealth] = {}
+        self._readings: dict[str, GpuReadings] = {}
         self._started_at = time.time()
         self._closed = False
 
@@ -204,6 +211,22 @@ class SimulatedBackend:
             self._overrides.pop(uuid, None)
         else:
             self._overrides[uuid] = health
+
+    def set_readings(self, uuid: str, readings: GpuReadings | None) -> None:
+        """Give one GPU usage readings, as NVML would read them (None: none again).
+
+        Raises:
+            KeyError: ``uuid`` is not a GPU of this node.
+        """
+        if uuid not in self._by_uuid:
+            raise KeyError(f"{uuid!r} is not a GPU of node {self.node!r}; known: {sorted(self._by_uuid)}")
+        if readings is None or not readings.known:
+            self._readings.pop(uuid, None)
+        else:
+            self._readings[uuid] = readings
+
+    def readings(self) -> Mapping[str, GpuReadings]:
+        return dict(self._readings)
 
     def gpus(self) -> list[GpuInfo]:
         faults: Mapping[str, dict[str, Any]] = self._fault_file.read() if self._fault_file else {}
