@@ -27,7 +27,9 @@ What is read, and when:
   and, on a GPU with an active NVLink link, ``NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX`` (KiB,
   summed over all links: scope ``UINT_MAX``). A rate is the difference of two readings over the
   difference of the timestamps NVML puts on them, so the first refresh has none, and neither has a
-  refresh after a counter went backwards (driver reload, wrap). Where the PCIe counters are not
+  refresh after a counter went backwards (driver reload, wrap). They are a
+  :class:`~gpupool_sdk.resources.GpuReadings` per GPU (:meth:`NvmlBackend.readings`), not part of
+  the health verdict or the GPU record. Where the PCIe counters are not
   supported (older drivers) PCIe falls back to ``nvmlDeviceGetPcieThroughput`` TX and RX
   (KB/s, taken as KiB/s): one call per direction, each sampling 20 ms, so 40 ms per GPU per
   refresh. A pynvml without the NVLink throughput fields leaves NVLink unknown. A MIG-enabled GPU's
