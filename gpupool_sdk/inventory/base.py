@@ -14,7 +14,10 @@ readings to fake, so tests and demos can break a GPU from outside the agent proc
      "GPU-sim-node-a-2": {"ecc_double_bit": 2}}
 
 Accepted fields: ``temperature_c``, ``power_w``, ``ecc_double_bit``, ``xid`` (one code) or
-``xids`` (a list), ``lost`` (bool). A fault lasts while it is in the file: remove the entry and
+``xids`` (a list), ``lost`` (bool), and the usage readings of
+:class:`~gpupool_sdk.resources.GpuReadings` (``utilization``, ``memory_bandwidth_utilization``,
+``memory_used_bytes``, ``pcie_tx_bytes_per_s``...), which a simulated GPU otherwise lacks:
+``{"GPU-sim-node-a-0": {"utilization": 0.9, "pcie_rx_bytes_per_s": 2e9}}``. A fault lasts while it is in the file: remove the entry and
 the GPU is healthy again on the next refresh. A missing file means no faults; a malformed file
 is reported with a warning and the previous faults stay in force (a half-written file is not a
 recovery).
@@ -32,9 +35,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from gpupool_sdk.errors import SpecError
 from gpupool_sdk.inventory.health import HealthSample, HealthThresholds, judge_health
 from gpupool_sdk.inventory.simulated import NodeDecl, parse_nodes
-from gpupool_sdk.resources.gpu import GpuHealth, GpuInfo, GpuReadings, NodeInfo
+from gpupool_sdk.resources.gpu import READING_FIELDS, GpuHealth, GpuInfo, GpuReadings, NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class FaultFile:
         path: the file; it need not exist yet.
     """
 
-    _FIELDS = frozenset({"temperature_c", "power_w", "ecc_double_bit", "xid", "xids", "lost"})
+    _FIELDS = frozenset({"temperature_c", "power_w", "ecc_double_bit", "xid", "xids", "lost", *READING_FIELDS})
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -136,6 +140,10 @@ class FaultFile:
                 raise ValueError(f"entry {uuid!r} field 'xids' must be a list of integers, got {fault['xids']!r}")
             if "lost" in fault and not isinstance(fault["lost"], bool):
                 raise ValueError(f"entry {uuid!r} field 'lost' must be true or false, got {fault['lost']!r}")
+            try:
+                GpuReadings.from_dict({k: v for k, v in fault.items() if k in READING_FIELDS}, where=f"entry {uuid!r}")
+            except SpecError as exc:
+                raise ValueError(str(exc)) from None
             out[str(uuid)] = fault
         return out
 
@@ -154,7 +162,7 @@ class SimulatedBackend:
     Health comes from, in order: an override set with :meth:`set_health`; else idle readings
     (40 C, 10 % of the board power) with the fault file's readings on top, judged by
     :func:`~gpupool_sdk.inventory.health.judge_health`. A simulated GPU has no usage readings
-    unless a test or demo gives it some with :meth:`set_readings`.
+    unless a test or demo gives it some: :meth:`set_readings`, else the fault file's.
 
     Args:
         decl: the node declaration (from :func:`~gpupool_sdk.inventory.simulated.parse_nodes`).
@@ -182,6 +190,7 @@ class SimulatedBackend:
         self._thresholds = thresholds or HealthThresholds()
         self._overrides: dict[str, GpuHealth] = {}
         self._readings: dict[str, GpuReadings] = {}
+        self._file_readings: dict[str, GpuReadings] = {}  # the fault file's, as of the last gpus()
         self._started_at = time.time()
         self._closed = False
 
@@ -226,10 +235,15 @@ class SimulatedBackend:
             self._readings[uuid] = readings
 
     def readings(self) -> Mapping[str, GpuReadings]:
-        return dict(self._readings)
+        return {**self._file_readings, **self._readings}
 
     def gpus(self) -> list[GpuInfo]:
         faults: Mapping[str, dict[str, Any]] = self._fault_file.read() if self._fault_file else {}
+        self._file_readings = {}
+        for uuid, fault in faults.items():
+            readings = GpuReadings.from_dict({k: v for k, v in fault.items() if k in READING_FIELDS})
+            if uuid in self._by_uuid and readings.known:
+                self._file_readings[uuid] = readings
         out = []
         for g in self._gpus:
             health = self._overrides.get(g.uuid)
