@@ -347,13 +347,15 @@ class NodeAgent:
 
         now = self._clock()
         u = self.usage_interval_s
-        if u is not None and (full or self._readings_at is None or now - self._readings_at >= u):
+        due = u is not None and (full or self._readings_at is None or now - self._readings_at >= u)
+        if due:
             ops.extend(self._readings_ops(lease, full))
-            self._readings_at = now
 
         for chunk in iter_chunks(ops, _TXN_OPS):
             self._apply(chunk, lease)
         self.writes += len(ops)
+        if due:
+            self._readings_at = now  # only once written: after a failed write the retry publishes them
         return len(ops)
 
     def _readings_ops(self, lease: int, full: bool) -> list[Put | Delete]:
