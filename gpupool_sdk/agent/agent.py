@@ -324,32 +324,13 @@ class NodeAgent:
         if full or self._differs(node_kv, NodeInfo, node_info, lease):
             ops.append(Put(node_key, node_info, lease))
 
-        listed, _ = self.store.get_prefix(keys.gpus_prefix(self.node))
-        seen: set[str] = set()
-        for kv in listed:
-            parsed = keys.parse(kv.key)
-            if parsed is None or parsed.kind != "gpus" or parsed.parts[0] != self.node:
-                self._warn_once(kv.key, f"node {self.node}: ignoring key {kv.key!r} of unknown shape under the node's prefix")
-                continue
-            uuid = parsed.parts[1]
-            if uuid not in gpus:
-                log.warning("node %s: deleting %s: not a GPU of this node (stale or written by hand)", self.node, kv.key)
-                ops.append(Delete(kv.key))
-                continue
-            seen.add(uuid)
-            if full or self._differs(kv, GpuInfo, gpus[uuid], lease):
-                ops.append(Put(kv.key, gpus[uuid], lease))
-        for uuid, gpu in gpus.items():
-            if uuid not in seen:
-                if not full:
-                    log.warning("node %s: %s was missing from etcd; publishing it again", self.node, uuid)
-                ops.append(Put(keys.gpu(self.node, uuid), gpu, lease))
+        ops.extend(self._reconcile("gpus", GpuInfo, gpus, lease, full))
 
         now = self._clock()
         u = self.usage_interval_s
         due = u is not None and (full or self._readings_at is None or now - self._readings_at >= u)
         if due:
-            ops.extend(self._readings_ops(lease, full))
+            ops.extend(self._reconcile("readings", GpuReadings, self.last_readings, lease, full))
 
         for chunk in iter_chunks(ops, _TXN_OPS):
             self._apply(chunk, lease)
@@ -358,26 +339,33 @@ class NodeAgent:
             self._readings_at = now  # only once written: after a failed write the retry publishes them
         return len(ops)
 
-    def _readings_ops(self, lease: int, full: bool) -> list[Put | Delete]:
-        """Puts of the readings that differ from what is published, deletes of stray readings keys."""
+    def _reconcile(self, kind: str, cls: Any, want: Mapping[str, Any], lease: int, full: bool) -> list[Put | Delete]:
+        """Puts of the ``kind`` keys of this node (``gpus``, ``readings``) whose published value
+        differs from ``want`` (by GPU UUID), deletes of the keys of GPUs not in it."""
         keys = self.store.keys
-        want = self.last_readings
         ops: list[Put | Delete] = []
-        listed, _ = self.store.get_prefix(keys.readings_prefix(self.node))
+        listed, _ = self.store.get_prefix(keys.gpus_prefix(self.node) if kind == "gpus" else keys.readings_prefix(self.node))
         seen: set[str] = set()
         for kv in listed:
             parsed = keys.parse(kv.key)
-            if parsed is None or parsed.kind != "readings" or parsed.parts[0] != self.node:
+            if parsed is None or parsed.kind != kind or parsed.parts[0] != self.node:
                 self._warn_once(kv.key, f"node {self.node}: ignoring key {kv.key!r} of unknown shape under the node's prefix")
                 continue
             uuid = parsed.parts[1]
             if uuid not in want:
-                ops.append(Delete(kv.key))  # a GPU gone, or whose readings are no longer known
+                if kind == "gpus":  # (readings come and go with what NVML can read: no warning)
+                    log.warning("node %s: deleting %s: not a GPU of this node (stale or written by hand)", self.node, kv.key)
+                ops.append(Delete(kv.key))
                 continue
             seen.add(uuid)
-            if full or self._differs(kv, GpuReadings, want[uuid], lease):
+            if full or self._differs(kv, cls, want[uuid], lease):
                 ops.append(Put(kv.key, want[uuid], lease))
-        ops.extend(Put(keys.readings(self.node, u), r, lease) for u, r in want.items() if u not in seen)
+        for uuid, value in want.items():
+            if uuid not in seen:
+                if not full and kind == "gpus":
+                    log.warning("node %s: %s was missing from etcd; publishing it again", self.node, uuid)
+                key = keys.gpu(self.node, uuid) if kind == "gpus" else keys.readings(self.node, uuid)
+                ops.append(Put(key, value, lease))
         return ops
 
     def _apply(self, ops: Sequence[Put | Delete], lease: int) -> None:
