@@ -13,7 +13,8 @@
   bytes copied per second, the PCIe RX rate from the two counter readings, and
   ``nvmlDeviceGetPcieThroughput(RX)`` x 1024 sampled during the copies (the agent takes its
   KB/s as KiB/s: the ratios say whether that holds);
-- ``gpus``: one refresh's published records (the usage readings as the agent publishes them).
+- ``gpus``: one refresh's published GPU records, and ``readings``: its usage readings by GPU UUID
+  (the values of ``readings/{node}/{uuid}``, as the agent publishes them).
 
 Exit code 0 when NVML initialises, 2 when it does not.
 """
@@ -148,6 +149,7 @@ def main() -> int:
         backend.gpus()
         doc["refresh_us"] = _median_us(backend.gpus, n=5)
         doc["gpus"] = [g.to_dict() for g in backend.gpus()]
+        doc["readings"] = {u: r.to_dict() for u, r in backend.readings().items()}
     finally:
         backend.close()
     print(json.dumps(doc, indent=None if args.json else 2))

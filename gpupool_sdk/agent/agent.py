@@ -4,6 +4,8 @@ Keys (see :mod:`gpupool_sdk.store.keyspace`), all attached to the agent's lease:
 
 - ``nodes/{node}``: a :class:`~gpupool_sdk.resources.NodeInfo`.
 - ``gpus/{node}/{uuid}``: a :class:`~gpupool_sdk.resources.GpuInfo` per GPU, health included.
+- ``readings/{node}/{uuid}``: a :class:`~gpupool_sdk.resources.GpuReadings` per GPU whose usage
+  readings are known (NVML; none for simulated GPUs and MIG instances).
 
 Life cycle:
 
@@ -16,11 +18,12 @@ Life cycle:
    hand or attached to another lease); stray keys under the node's prefix are deleted.
    Temperatures are published in whole degrees and power in steps of 5 W, so noise in the
    readings does not rewrite keys on every refresh. The usage readings (utilisation, memory
-   bandwidth, memory used, PCIe and NVLink bytes/s) move on every refresh and every GPU write wakes
-   the coordinator, so they are left out of this change test: a GPU written for another reason
-   carries the latest ones along, and a change of them alone is written at most once per
-   ``usage_interval_s`` (60 s by default; None: never on its own; 0: whenever they change). The
-   agent's metrics exporter sees every refresh's readings.
+   bandwidth, memory used, PCIe and NVLink bytes/s) move on every refresh, so they are not in the
+   GPU record (the scheduler's input: every write of it wakes the coordinator) but under
+   ``readings/{node}/{uuid}``, which the coordinator neither reads nor watches. They are read on
+   every refresh and reconciled (the ones that changed written, stray keys deleted) at most once per
+   ``usage_interval_s`` (10 s by default; 0: on every refresh; None: never published). The agent's
+   metrics exporter sees every refresh's readings.
 3. If the lease is lost (etcd expired it after a partition, or someone revoked it), the agent
    re-registers at once: a new lease and a full publish.
 4. :meth:`NodeAgent.stop` revokes the lease, so every key of the node vanishes at once. A
@@ -38,7 +41,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -53,7 +56,7 @@ from gpupool_sdk.errors import (
     StoreError,
 )
 from gpupool_sdk.inventory.base import InventoryBackend
-from gpupool_sdk.resources.gpu import GpuInfo, NodeInfo
+from gpupool_sdk.resources.gpu import GpuInfo, GpuReadings, NodeInfo
 from gpupool_sdk.store.codec import decode
 from gpupool_sdk.store.etcd_store import EtcdStore, iter_chunks
 from gpupool_sdk.store.lease import LeaseKeeper
@@ -64,8 +67,8 @@ log = logging.getLogger(__name__)
 #: Published temperatures are rounded to this many degrees C, power to this many watts.
 TEMPERATURE_STEP_C = 1.0
 POWER_STEP_W = 5.0
-#: A GPU whose usage readings alone changed is rewritten at most this often (seconds).
-DEFAULT_USAGE_INTERVAL_S = 60.0
+#: The usage readings are published at most this often (seconds).
+DEFAULT_USAGE_INTERVAL_S = 10.0
 #: After a failed etcd call, retry this soon (seconds) rather than after a full interval.
 RETRY_AFTER_S = 1.0
 _TXN_OPS = 128  # etcd's default cap on operations per transaction
@@ -98,9 +101,9 @@ class NodeAgent:
         refresh_interval_s: seconds between health refreshes.
         wake: event set when the agent needs attention before its next refresh (lease lost);
             a process running several agents passes one shared event to all of them.
-        usage_interval_s: a GPU whose usage readings (and nothing else) changed is rewritten when
-            its published readings are at least this old (seconds); None: never on its own (they
-            ride along with other writes); 0: on every change.
+        usage_interval_s: the usage readings (``readings/{node}/{uuid}``) are published, those
+            that changed, when the last publication is at least this old (seconds); 0: on every
+            refresh; None: never (no readings keys).
         clock: monotonic clock for ``usage_interval_s`` (tests pass their own).
 
     Raises:
@@ -132,11 +135,11 @@ class NodeAgent:
         u = usage_interval_s
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u) or u < 0):
             raise ConfigError(
-                "usage_interval_s", f"must be None (never on their own) or a number of seconds >= 0, got {u!r}"
+                "usage_interval_s", f"must be None (never published) or a number of seconds >= 0, got {u!r}"
             )
         self.usage_interval_s = None if u is None else float(u)
         self._clock = clock
-        self._usage_at: dict[str, float] = {}  # GPU uuid -> clock() when its record was last written
+        self._readings_at: float | None = None  # clock() when the readings were last published
         self.store = store
         self.backend = backend
         self.timing = timing
@@ -158,6 +161,7 @@ class NodeAgent:
         # What the last refresh read (unrounded), for the agent's metrics exporter.
         self.last_node_info: NodeInfo | None = None
         self.last_gpus: tuple[GpuInfo, ...] = ()
+        self.last_readings: Mapping[str, GpuReadings] = {}
 
     # ---------------------------------------------------------------------------- public
 
@@ -305,8 +309,9 @@ class NodeAgent:
         keys = self.store.keys
         node_info = self.backend.node_info()
         raw = self.backend.gpus()
-        self.last_node_info, self.last_gpus = node_info, tuple(raw)
         gpus = {g.uuid: publishable(g) for g in raw}
+        self.last_node_info, self.last_gpus = node_info, tuple(raw)
+        self.last_readings = {u: r for u, r in self.backend.readings().items() if u in gpus and r.known}
         self._models = {u: g.model for u, g in gpus.items()}
         node_info = replace(node_info, gpu_count=len(gpus))
         self._log_health_changes(gpus.values())
@@ -319,37 +324,49 @@ class NodeAgent:
         if full or self._differs(node_kv, NodeInfo, node_info, lease):
             ops.append(Put(node_key, node_info, lease))
 
-        listed, _ = self.store.get_prefix(keys.gpus_prefix(self.node))
-        seen: set[str] = set()
-        written: list[str] = []
+        ops.extend(self._reconcile("gpus", GpuInfo, gpus, lease, full))
+
         now = self._clock()
-        for kv in listed:
-            parsed = keys.parse(kv.key)
-            if parsed is None or parsed.kind != "gpus" or parsed.parts[0] != self.node:
-                self._warn_once(kv.key, f"node {self.node}: ignoring key {kv.key!r} of unknown shape under the node's prefix")
-                continue
-            uuid = parsed.parts[1]
-            if uuid not in gpus:
-                log.warning("node %s: deleting %s: not a GPU of this node (stale or written by hand)", self.node, kv.key)
-                ops.append(Delete(kv.key))
-                continue
-            seen.add(uuid)
-            if full or self._gpu_differs(kv, gpus[uuid], lease, now):
-                ops.append(Put(kv.key, gpus[uuid], lease))
-                written.append(uuid)
-        for uuid, gpu in gpus.items():
-            if uuid not in seen:
-                if not full:
-                    log.warning("node %s: %s was missing from etcd; publishing it again", self.node, uuid)
-                ops.append(Put(keys.gpu(self.node, uuid), gpu, lease))
-                written.append(uuid)
+        u = self.usage_interval_s
+        due = u is not None and (full or self._readings_at is None or now - self._readings_at >= u)
+        if due:
+            ops.extend(self._reconcile("readings", GpuReadings, self.last_readings, lease, full))
 
         for chunk in iter_chunks(ops, _TXN_OPS):
             self._apply(chunk, lease)
         self.writes += len(ops)
-        self._usage_at = {u: t for u, t in self._usage_at.items() if u in gpus}
-        self._usage_at.update(dict.fromkeys(written, now))
+        if due:
+            self._readings_at = now  # only once written: after a failed write the retry publishes them
         return len(ops)
+
+    def _reconcile(self, kind: str, cls: Any, want: Mapping[str, Any], lease: int, full: bool) -> list[Put | Delete]:
+        """Puts of the ``kind`` keys of this node (``gpus``, ``readings``) whose published value
+        differs from ``want`` (by GPU UUID), deletes of the keys of GPUs not in it."""
+        keys = self.store.keys
+        ops: list[Put | Delete] = []
+        listed, _ = self.store.get_prefix(keys.gpus_prefix(self.node) if kind == "gpus" else keys.readings_prefix(self.node))
+        seen: set[str] = set()
+        for kv in listed:
+            parsed = keys.parse(kv.key)
+            if parsed is None or parsed.kind != kind or parsed.parts[0] != self.node:
+                self._warn_once(kv.key, f"node {self.node}: ignoring key {kv.key!r} of unknown shape under the node's prefix")
+                continue
+            uuid = parsed.parts[1]
+            if uuid not in want:
+                if kind == "gpus":  # (readings come and go with what NVML can read: no warning)
+                    log.warning("node %s: deleting %s: not a GPU of this node (stale or written by hand)", self.node, kv.key)
+                ops.append(Delete(kv.key))
+                continue
+            seen.add(uuid)
+            if full or self._differs(kv, cls, want[uuid], lease):
+                ops.append(Put(kv.key, want[uuid], lease))
+        for uuid, value in want.items():
+            if uuid not in seen:
+                if not full and kind == "gpus":
+                    log.warning("node %s: %s was missing from etcd; publishing it again", self.node, uuid)
+                key = keys.gpu(self.node, uuid) if kind == "gpus" else keys.readings(self.node, uuid)
+                ops.append(Put(key, value, lease))
+        return ops
 
     def _apply(self, ops: Sequence[Put | Delete], lease: int) -> None:
         try:
@@ -365,18 +382,6 @@ class NodeAgent:
     def _differs(self, kv: KeyValue | None, cls: Any, want: Any, lease: int) -> bool:
         have = self._published(kv, cls, lease)
         return have is None or bool(have != want)
-
-    def _gpu_differs(self, kv: KeyValue, want: GpuInfo, lease: int, now: float) -> bool:
-        """Whether to rewrite a GPU's record: a change of the usage readings alone counts once due."""
-        have = self._published(kv, GpuInfo, lease)
-        if have is None:
-            return True
-        if replace(have, health=have.health.without_usage()) != replace(want, health=want.health.without_usage()):
-            return True
-        if have.health == want.health or self.usage_interval_s is None:
-            return False
-        written_at = self._usage_at.get(want.uuid)
-        return written_at is None or now - written_at >= self.usage_interval_s
 
     def _published(self, kv: KeyValue | None, cls: Any, lease: int) -> Any:
         """The record in ``kv``; None when it must be rewritten (missing, malformed, on another lease)."""

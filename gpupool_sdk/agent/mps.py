@@ -25,11 +25,12 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.inventory.base import InventoryBackend
-from gpupool_sdk.resources.gpu import GpuInfo, NodeInfo
+from gpupool_sdk.resources.gpu import GpuInfo, GpuReadings, NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,9 @@ class MpsBackend:
 
     def gpus(self) -> list[GpuInfo]:
         return [g if g.is_mig else dataclasses.replace(g, mps_pipe_dir=self.pipe_dir) for g in self.inner.gpus()]
+
+    def readings(self) -> Mapping[str, GpuReadings]:
+        return self.inner.readings()
 
     def close(self) -> None:
         try:

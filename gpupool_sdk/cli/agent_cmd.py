@@ -126,8 +126,9 @@ def _backends(
     default=str(DEFAULT_USAGE_INTERVAL_S),
     show_default=True,
     metavar="SECONDS|never",
-    help="Rewrite a GPU's etcd record for a change of its usage readings alone (utilisation, memory bandwidth, "
-    "PCIe/NVLink) at most this often; 0: on every change; never: only along with other changes. "
+    help="Publish the GPUs' usage readings (utilisation, memory bandwidth, memory used, PCIe/NVLink) under "
+    "readings/{node}/{gpu}, those that changed, at most this often; 0: on every refresh; never: not at all. "
+    "They are not in the GPU records, so they never wake the coordinator. "
     "The --metrics-port series carry every refresh's readings.",
 )
 @click.option(

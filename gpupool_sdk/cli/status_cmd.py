@@ -34,6 +34,7 @@ from gpupool_sdk.cli.output import (
 )
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
 from gpupool_sdk.resources import GpuInfo, JobState, format_size
+from gpupool_sdk.resources.gpu import device_readings
 from gpupool_sdk.scheduler.types import JobView
 from gpupool_sdk.store import EtcdSecurity, EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
@@ -171,8 +172,9 @@ def status_dict(state: PoolState) -> dict[str, Any]:
                 "mig_profile": g.mig_profile,
                 "mig_parent": g.mig_parent,
                 "sharing": sharing_mechanism(g, holders.get(g.uuid, []), state.timeslice_members.get(g.uuid, ())),
-                # the agent's last published readings: usage ones up to its --usage-interval old
-                "readings": g.health.readings(),
+                # the agent's last published readings: temperature and power from the GPU record,
+                # usage from readings/{node}/{gpu} (up to its --usage-interval old)
+                "readings": device_readings(g.health, state.readings.get(g.uuid)),
             }
         )
     node_names = sorted(set(state.nodes) | {g.node for g in snap.gpus.values()} | set(snap.draining))

@@ -1,13 +1,14 @@
 """The coordinator: one decision loop over an immutable snapshot, in the manner of Patroni's ``ha.py``.
 
 Every replica runs the same loop. A watch on the whole pool prefix wakes it on any change (but
-for keys only other parties read, and a GPU record whose usage readings alone changed: the
-agent republishes those about once a minute); it also wakes every ``loop_wait_s`` (and at the earliest directive deadline), because deadlines and
+for keys only other parties read; the agents' usage readings, ``readings/{node}/{gpu}``, are
+neither watched nor read: the store drops them from the watch and the read); it also wakes every
+``loop_wait_s`` (and at the earliest directive deadline), because deadlines and
 minimum run times pass without any key changing. Each wake-up:
 
 1. **Election step.** A standby campaigns when the leader key is absent; the leader renews at
    most every ``loop_wait_s`` (and steps down when it cannot renew in time).
-2. **Cycle** (leader only, one at a time): read the whole prefix at one revision
+2. **Cycle** (leader only, one at a time): read the whole prefix but the readings at one revision
    (:func:`~gpupool_sdk.coordinator.snapshot.build_state`), run the pure
    :class:`~gpupool_sdk.scheduler.policy.Scheduler`, apply its decisions through the
    :class:`~gpupool_sdk.coordinator.apply.Applier`, fenced on the leader key. A cycle whose
@@ -40,7 +41,6 @@ deleted under the fence and the lease revoked, so a standby takes over without w
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -55,11 +55,10 @@ from gpupool_sdk.coordinator.fencing import Absent, DeleteOp, FencedWriter, Guar
 from gpupool_sdk.coordinator.snapshot import DecodeCache, PoolState, build_state
 from gpupool_sdk.errors import ConfigError, GpupoolError, NotLeaderError, SpecError, StoreError
 from gpupool_sdk.resources import Allocation
-from gpupool_sdk.resources.gpu import USAGE_FIELDS
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.scheduler.autoscale import Autoscaler, AutoscaleSettings, AutoscaleSignal
 from gpupool_sdk.scheduler.types import SchedulerConfig, SliceGrant
-from gpupool_sdk.store import EtcdStore, KeyValue, WatchEvent
+from gpupool_sdk.store import EtcdStore, WatchEvent
 from gpupool_sdk.store.codec import encode
 from gpupool_sdk.telemetry.pricing import PriceTable
 from gpupool_sdk.telemetry.usage import UsageLedger, UsageRecord, accrue
@@ -83,26 +82,6 @@ _QUIET_PUTS = frozenset({"jobs.status", "allocations", "directives", "checkpoint
 # Keys that never need a cycle, put or deleted: the leader's own autoscale signal, and the
 # time-slicing turn and membership keys jobs pass between them every quantum.
 _IGNORED_KINDS = frozenset({"autoscale", "prices", "timeslice.turn", "timeslice.member"})
-
-
-def _without_usage(raw: bytes) -> Any:
-    """A GPU record's JSON without the usage readings of its health (the raw bytes if it is not one)."""
-    try:
-        d = json.loads(raw)
-    except (ValueError, RecursionError):  # hand-edited garbage: any change of it is news
-        return raw
-    health = d.get("health") if isinstance(d, dict) else None
-    if not isinstance(health, dict):
-        return raw
-    for name in USAGE_FIELDS:
-        health.pop(name, None)
-    return d
-
-
-def _usage_only_change(before: bytes, after: bytes) -> bool:
-    """True when two encodings of a GPU record differ only in the usage readings of its health."""
-    a = _without_usage(before)
-    return not isinstance(a, bytes) and bool(a == _without_usage(after))
 
 
 def _granted_slices(decisions: Sequence[Any], granted_jobs: Sequence[str]) -> dict[str, tuple[SliceGrant, ...]]:
@@ -266,8 +245,8 @@ class Coordinator:
         self._scheduled: tuple[tuple[int, int, int], float] | None = None
         # Per key: whether the scheduler's snapshot is built from it (keys never change shape).
         self._input_keys: dict[str, bool] = {}
-        # GPU key -> (mod revision seen, revision its scheduling input last changed, that input)
-        self._gpu_inputs: dict[str, tuple[int, int, Any] | None] = {}
+        # Never read nor watched: the agents' usage readings, rewritten every few seconds per GPU.
+        self._unread = (self.keys.readings_prefix(),)
 
     # ------------------------------------------------------------------ state
 
@@ -309,14 +288,6 @@ class Coordinator:
                     continue  # rewritten unchanged
                 if parsed is not None and parsed.kind in _QUIET_PUTS:
                     continue
-                if (
-                    parsed is not None
-                    and parsed.kind == "gpus"
-                    and e.prev is not None
-                    and e.prev.lease == e.kv.lease
-                    and _usage_only_change(e.prev.value, e.kv.value)
-                ):
-                    continue  # the agent's periodic utilisation/PCIe/NVLink readings: no scheduling input
             wake = True
         if wake:
             self._wake.set()
@@ -336,7 +307,9 @@ class Coordinator:
 
     def run(self) -> CoordinatorStats:
         """Run until :meth:`stop`; resigns leadership (if held) before returning."""
-        self._watcher = self.store.watch_prefix(self.keys.root(), self._on_events, on_resync=self._on_resync)
+        self._watcher = self.store.watch_prefix(
+            self.keys.root(), self._on_events, on_resync=self._on_resync, skip=self._unread
+        )
         next_renew = 0.0
         try:
             while not self._stop.is_set():
@@ -412,22 +385,19 @@ class Coordinator:
     # ------------------------------------------------------------------ one cycle
 
     def read_state(self, term: int = 0) -> PoolState:
-        """Read the whole pool prefix at one revision and parse it."""
+        """Read the whole pool prefix (but the agents' usage readings) at one revision and parse it."""
         return self._read(term)[0]
 
     def _read(self, term: int) -> tuple[PoolState, tuple[int, int, int]]:
         """The state, and what identifies the scheduler's input but for the clock: (term, number
         of input keys, their largest mod revision). Revisions only grow, so any put of an input
         key raises the largest and any delete alone lowers the count: equal means unchanged.
-        A GPU record counts with the revision its content last changed at, but for its usage
-        readings, which the scheduler does not read (the agent republishes them about once a
-        minute; tests/coordinator/test_cycle_skip.py checks the policy ignores them)."""
-        kvs, revision = self.store.get_prefix(self.keys.root())
+        The agents' usage readings are not read at all (etcd sends none of them)."""
+        kvs, revision = self.store.get_prefix(self.keys.root(), skip=self._unread)
         state = build_state(kvs, self.keys, time.time(), revision, term, cache=self._cache)
         known = self._input_keys
         if len(known) > 2 * len(kvs) + 1024:
             known.clear()  # forget keys long gone
-            self._gpu_inputs.clear()
         count = top = 0
         for kv in kvs:
             used = known.get(kv.key)
@@ -436,22 +406,10 @@ class Coordinator:
                 # Usage records and the ignored kinds are not read by the scheduler's snapshot.
                 used = parsed is None or (parsed.kind not in _IGNORED_KINDS and parsed.kind != "usage")
                 known[kv.key] = used
-                if parsed is not None and parsed.kind == "gpus":
-                    self._gpu_inputs[kv.key] = None
             if used:
                 count += 1
-                top = max(top, self._gpu_input_revision(kv) if kv.key in self._gpu_inputs else kv.mod_revision)
+                top = max(top, kv.mod_revision)
         return state, (term, count, top)
-
-    def _gpu_input_revision(self, kv: KeyValue) -> int:
-        """The revision at which this GPU record last changed but for its usage readings."""
-        seen = self._gpu_inputs.get(kv.key)
-        if seen is not None and seen[0] == kv.mod_revision:
-            return seen[1]
-        core = (kv.create_revision, kv.lease, _without_usage(kv.value))
-        rev = seen[1] if seen is not None and seen[2] == core else kv.mod_revision
-        self._gpu_inputs[kv.key] = (kv.mod_revision, rev, core)
-        return rev
 
     def run_cycle(self) -> CycleReport | None:
         """One scheduling cycle if this replica leads; None otherwise."""

@@ -3,7 +3,8 @@
 One ``get_prefix`` of the whole pool prefix is read at one etcd revision and parsed into a
 :class:`PoolState`: the scheduler's snapshot plus what the coordinator needs to apply decisions
 (each job's etcd lease, its spec's create revision, its current status) and what ``gpupool status``
-shows (leader, nodes, usage). A value that does not parse is reported as a :class:`Problem`
+shows (leader, nodes, usage, the agents' per-GPU usage readings when the read included them: the
+coordinator's does not). A value that does not parse is reported as a :class:`Problem`
 naming the key and skipped: one hand-edited key never stops the pool.
 
 **Only keys backed by a live lease of the right writer are acted on** (issue 12): a key with a
@@ -42,6 +43,7 @@ from gpupool_sdk.resources import (
     Directive,
     GangMember,
     GpuInfo,
+    GpuReadings,
     JobSpec,
     JobState,
     JobStatus,
@@ -137,6 +139,8 @@ class PoolState:
         timeslice_members: per GPU UUID, the jobs that run a time-slicing gate on it
             (``timeslice/{node}/{gpu}/members/{job}``; shown by ``gpupool status``, not scheduled on).
         results: ``results/{job}``: how jobs that left ended (FAILED under ``gpupool run``), by job.
+        readings: the agents' usage readings (``readings/{node}/{gpu}``) by GPU UUID, for
+            ``gpupool status``; empty in the coordinator's state, whose read leaves them out.
     """
 
     snapshot: ClusterSnapshot
@@ -155,6 +159,7 @@ class PoolState:
     timeslice_members: Mapping[str, frozenset[str]] = field(default_factory=dict)
     problems: tuple[Problem, ...] = ()
     results: Mapping[str, JobResult] = field(default_factory=dict)
+    readings: Mapping[str, GpuReadings] = field(default_factory=dict)
 
 
 def _peak_from_telemetry(body: Mapping[str, Any] | None) -> int | None:
@@ -298,6 +303,7 @@ def build_state(
     usage: dict[str, Mapping[str, Any]] = {}
     usage_revisions: dict[str, int] = {}
     results: dict[str, JobResult] = {}
+    readings: dict[str, GpuReadings] = {}
     timeslice: dict[str, set[str]] = {}
     cordons: dict[str, Mapping[str, Any]] = {}
     drains: dict[str, Mapping[str, Any]] = {}
@@ -376,6 +382,8 @@ def build_state(
                 usage_revisions[parts[0]] = kv.mod_revision
             elif kind == "results":
                 results[parts[0]] = parse(kv, JobResult)
+            elif kind == "readings":
+                readings[parts[1]] = parse(kv, GpuReadings)
             elif kind == "timeslice.member":
                 timeslice.setdefault(parts[1], set()).add(parts[2])
             elif kind == "leader":
@@ -579,4 +587,5 @@ def build_state(
         problems=tuple(problems),
         timeslice_members={g: frozenset(js) for g, js in timeslice.items()},
         results=results,
+        readings=readings,
     )

@@ -1,8 +1,9 @@
 """The inventory backend interface and the simulated backend.
 
-A backend describes one node: :meth:`InventoryBackend.node_info` and
-:meth:`InventoryBackend.gpus` (with health read afresh on every call). The node agent publishes
-what it returns. Two backends exist: :class:`SimulatedBackend` (GPUs declared with
+A backend describes one node: :meth:`InventoryBackend.node_info`,
+:meth:`InventoryBackend.gpus` (with health read afresh on every call) and
+:meth:`InventoryBackend.readings` (the usage readings that call read). The node agent publishes
+what they return. Two backends exist: :class:`SimulatedBackend` (GPUs declared with
 ``--simulate``) and :class:`~gpupool_sdk.inventory.nvml.NvmlBackend` (real GPUs).
 
 Fault file (simulated GPUs only): a JSON object read on every refresh, mapping a GPU UUID to the
@@ -13,7 +14,10 @@ readings to fake, so tests and demos can break a GPU from outside the agent proc
      "GPU-sim-node-a-2": {"ecc_double_bit": 2}}
 
 Accepted fields: ``temperature_c``, ``power_w``, ``ecc_double_bit``, ``xid`` (one code) or
-``xids`` (a list), ``lost`` (bool). A fault lasts while it is in the file: remove the entry and
+``xids`` (a list), ``lost`` (bool), and the usage readings of
+:class:`~gpupool_sdk.resources.GpuReadings` (``utilization``, ``memory_bandwidth_utilization``,
+``memory_used_bytes``, ``pcie_tx_bytes_per_s``...), which a simulated GPU otherwise lacks:
+``{"GPU-sim-node-a-0": {"utilization": 0.9, "pcie_rx_bytes_per_s": 2e9}}``. A fault lasts while it is in the file: remove the entry and
 the GPU is healthy again on the next refresh. A missing file means no faults; a malformed file
 is reported with a warning and the previous faults stay in force (a half-written file is not a
 recovery).
@@ -31,9 +35,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from gpupool_sdk.errors import SpecError
 from gpupool_sdk.inventory.health import HealthSample, HealthThresholds, judge_health
 from gpupool_sdk.inventory.simulated import NodeDecl, parse_nodes
-from gpupool_sdk.resources.gpu import GpuHealth, GpuInfo, NodeInfo
+from gpupool_sdk.resources.gpu import READING_FIELDS, GpuHealth, GpuInfo, GpuReadings, NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,10 @@ class InventoryBackend(Protocol):
         """Every GPU of the node, in index order, with health read now."""
         ...
 
+    def readings(self) -> Mapping[str, GpuReadings]:
+        """The usage readings the last :meth:`gpus` call read, by GPU UUID (GPUs without any: absent)."""
+        ...
+
     def close(self) -> None:
         """Release the backend's resources (NVML handles); idempotent."""
         ...
@@ -70,7 +79,7 @@ class FaultFile:
         path: the file; it need not exist yet.
     """
 
-    _FIELDS = frozenset({"temperature_c", "power_w", "ecc_double_bit", "xid", "xids", "lost"})
+    _FIELDS = frozenset({"temperature_c", "power_w", "ecc_double_bit", "xid", "xids", "lost", *READING_FIELDS})
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -131,6 +140,10 @@ class FaultFile:
                 raise ValueError(f"entry {uuid!r} field 'xids' must be a list of integers, got {fault['xids']!r}")
             if "lost" in fault and not isinstance(fault["lost"], bool):
                 raise ValueError(f"entry {uuid!r} field 'lost' must be true or false, got {fault['lost']!r}")
+            try:
+                GpuReadings.from_dict({k: v for k, v in fault.items() if k in READING_FIELDS}, where=f"entry {uuid!r}")
+            except SpecError as exc:
+                raise ValueError(str(exc)) from None
             out[str(uuid)] = fault
         return out
 
@@ -148,7 +161,8 @@ class SimulatedBackend:
 
     Health comes from, in order: an override set with :meth:`set_health`; else idle readings
     (40 C, 10 % of the board power) with the fault file's readings on top, judged by
-    :func:`~gpupool_sdk.inventory.health.judge_health`.
+    :func:`~gpupool_sdk.inventory.health.judge_health`. A simulated GPU has no usage readings
+    unless a test or demo gives it some: :meth:`set_readings`, else the fault file's.
 
     Args:
         decl: the node declaration (from :func:`~gpupool_sdk.inventory.simulated.parse_nodes`).
@@ -175,6 +189,8 @@ class SimulatedBackend:
         self._fault_file = FaultFile(fault_file) if fault_file is not None else None
         self._thresholds = thresholds or HealthThresholds()
         self._overrides: dict[str, GpuHealth] = {}
+        self._readings: dict[str, GpuReadings] = {}
+        self._file_readings: dict[str, GpuReadings] = {}  # the fault file's, as of the last gpus()
         self._started_at = time.time()
         self._closed = False
 
@@ -205,8 +221,29 @@ class SimulatedBackend:
         else:
             self._overrides[uuid] = health
 
+    def set_readings(self, uuid: str, readings: GpuReadings | None) -> None:
+        """Give one GPU usage readings, as NVML would read them (None: none again).
+
+        Raises:
+            KeyError: ``uuid`` is not a GPU of this node.
+        """
+        if uuid not in self._by_uuid:
+            raise KeyError(f"{uuid!r} is not a GPU of node {self.node!r}; known: {sorted(self._by_uuid)}")
+        if readings is None or not readings.known:
+            self._readings.pop(uuid, None)
+        else:
+            self._readings[uuid] = readings
+
+    def readings(self) -> Mapping[str, GpuReadings]:
+        return {**self._file_readings, **self._readings}
+
     def gpus(self) -> list[GpuInfo]:
         faults: Mapping[str, dict[str, Any]] = self._fault_file.read() if self._fault_file else {}
+        self._file_readings = {}
+        for uuid, fault in faults.items():
+            readings = GpuReadings.from_dict({k: v for k, v in fault.items() if k in READING_FIELDS})
+            if uuid in self._by_uuid and readings.known:
+                self._file_readings[uuid] = readings
         out = []
         for g in self._gpus:
             health = self._overrides.get(g.uuid)

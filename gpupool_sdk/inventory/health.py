@@ -11,9 +11,10 @@ Rules (a GPU is unhealthy when any holds; every one that holds is a reason):
   data-centre parts start hardware slowdown a few degrees above it).
 - **GPU lost**: NVML reported the GPU as lost (fallen off the bus).
 
-Power draw and the usage readings (utilisation, memory-bandwidth utilisation, memory used,
-PCIe and NVLink throughput) are reported, not judged: a GPU at its power cap or at 100 % is
-busy, not broken.
+Power draw and the usage readings (:class:`~gpupool_sdk.resources.GpuReadings`: utilisation,
+memory-bandwidth utilisation, memory used, PCIe and NVLink throughput) are reported, not judged: a
+GPU at its power cap or at 100 % is busy, not broken. The verdict does not carry the usage readings;
+the agent publishes them under a key of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpupool_sdk.errors import ConfigError
-from gpupool_sdk.resources.gpu import USAGE_FIELDS, GpuHealth
+from gpupool_sdk.resources.gpu import GpuHealth, GpuReadings
 
 #: XID codes that make a GPU unusable until it is reset or serviced, with their meaning.
 FATAL_XIDS: Mapping[int, str] = {
@@ -76,13 +77,8 @@ class HealthSample:
         ecc_double_bit: volatile uncorrectable ECC error count.
         xids: XID codes seen (accumulated by the backend).
         lost: NVML reported the GPU as lost.
-        utilization: fraction of time a kernel ran (0-1).
-        memory_bandwidth_utilization: fraction of time device memory was read or written (0-1).
-        memory_used_bytes: device memory in use.
-        pcie_tx_bytes_per_s: PCIe throughput, GPU to host.
-        pcie_rx_bytes_per_s: PCIe throughput, host to GPU.
-        nvlink_tx_bytes_per_s: NVLink data sent over all links.
-        nvlink_rx_bytes_per_s: NVLink data received over all links.
+        readings: the usage readings (utilisation, memory bandwidth, memory used, PCIe and
+            NVLink bytes/s), all unknown by default.
     """
 
     temperature_c: float | None = None
@@ -90,13 +86,7 @@ class HealthSample:
     ecc_double_bit: int | None = None
     xids: tuple[int, ...] = ()
     lost: bool = False
-    utilization: float | None = None
-    memory_bandwidth_utilization: float | None = None
-    memory_used_bytes: int | None = None
-    pcie_tx_bytes_per_s: float | None = None
-    pcie_rx_bytes_per_s: float | None = None
-    nvlink_tx_bytes_per_s: float | None = None
-    nvlink_rx_bytes_per_s: float | None = None
+    readings: GpuReadings = field(default_factory=GpuReadings)
 
 
 def judge_health(sample: HealthSample, thresholds: HealthThresholds | None = None) -> GpuHealth:
@@ -107,7 +97,8 @@ def judge_health(sample: HealthSample, thresholds: HealthThresholds | None = Non
         thresholds: limits; the defaults when None.
 
     Returns:
-        The verdict, carrying the readings and one reason per rule that fired.
+        The verdict, carrying temperature, power, ECC and XIDs and one reason per rule that fired
+        (not the usage readings: they stay in ``sample.readings``).
 
     Example:
         >>> judge_health(HealthSample(temperature_c=95.0)).reasons
@@ -132,5 +123,4 @@ def judge_health(sample: HealthSample, thresholds: HealthThresholds | None = Non
         power_w=sample.power_w,
         ecc_double_bit=sample.ecc_double_bit,
         xids=tuple(sorted(set(sample.xids))),
-        **{name: getattr(sample, name) for name in USAGE_FIELDS},
     )

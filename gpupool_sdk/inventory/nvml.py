@@ -27,7 +27,9 @@ What is read, and when:
   and, on a GPU with an active NVLink link, ``NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX`` (KiB,
   summed over all links: scope ``UINT_MAX``). A rate is the difference of two readings over the
   difference of the timestamps NVML puts on them, so the first refresh has none, and neither has a
-  refresh after a counter went backwards (driver reload, wrap). Where the PCIe counters are not
+  refresh after a counter went backwards (driver reload, wrap). They are a
+  :class:`~gpupool_sdk.resources.GpuReadings` per GPU (:meth:`NvmlBackend.readings`), not part of
+  the health verdict or the GPU record. Where the PCIe counters are not
   supported (older drivers) PCIe falls back to ``nvmlDeviceGetPcieThroughput`` TX and RX
   (KB/s, taken as KiB/s): one call per direction, each sampling 20 ms, so 40 ms per GPU per
   refresh. A pynvml without the NVLink throughput fields leaves NVLink unknown. A MIG-enabled GPU's
@@ -53,6 +55,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +64,7 @@ from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.inventory.catalog import GpuModel, match_nvml_name
 from gpupool_sdk.inventory.health import HealthSample, HealthThresholds, judge_health
 from gpupool_sdk.inventory.mig import mig_instance
-from gpupool_sdk.resources.gpu import GpuInfo, NodeInfo
+from gpupool_sdk.resources.gpu import GpuInfo, GpuReadings, NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +169,7 @@ class NvmlBackend:
             self._nvlink_links: set[int] = set()  # positions of GPUs with an active NVLink link
             self._peers, self._islands = self._nvlink_topology()
             self._counters: dict[tuple[str, str], tuple[int, int]] = {}  # (uuid, counter) -> (value, µs)
+            self._readings: dict[str, GpuReadings] = {}  # what the last gpus() call read, by UUID
             self._pcie_paths = self._pcie_groups()
             self._xids: dict[str, set[int]] = {d.uuid: set() for d in self._devices}
             self._event_set = self._register_xid_events()
@@ -193,10 +197,13 @@ class NvmlBackend:
     def gpus(self) -> list[GpuInfo]:
         self._drain_xid_events()
         out = []
+        readings: dict[str, GpuReadings] = {}
         for d in self._devices:
             instances = self._mig_instances(d)
             sample = self._sample(d, usage=instances is None)
             health = judge_health(sample, self._thresholds)
+            if sample.readings.known:
+                readings[d.uuid] = sample.readings
             peers = tuple(self._devices[j].uuid for j in sorted(self._peers[d.pos]))
             island = self._islands[d.pos]
             info = self._info(d, peers, island, health)
@@ -204,7 +211,11 @@ class NvmlBackend:
                 out.append(info)
             else:
                 out.extend(mig_instance(info, *inst) for inst in instances)
+        self._readings = readings
         return out
+
+    def readings(self) -> Mapping[str, GpuReadings]:
+        return dict(self._readings)
 
     def mig_enabled(self, index: int) -> bool:
         """True when GPU ``index``'s current MIG mode is enabled."""
@@ -476,7 +487,7 @@ class NvmlBackend:
             ecc_double_bit=int(ecc) if ecc is not None else None,
             xids=tuple(sorted(self._xids.get(d.uuid, ()))),
             lost=lost,
-            **readings,
+            readings=GpuReadings(**readings),
         )
 
     def _throughput(self, d: _Device, read: Any) -> dict[str, float | None]:

@@ -1,7 +1,7 @@
 """Resource model: sizes, GPUs, job specs, allocations, directives and acks."""
 
 from gpupool_sdk.resources.gang import GangMember
-from gpupool_sdk.resources.gpu import GpuHealth, GpuInfo, NodeInfo
+from gpupool_sdk.resources.gpu import GpuHealth, GpuInfo, GpuReadings, NodeInfo
 from gpupool_sdk.resources.grant import Ack, Allocation, Directive, DirectiveKind, LeaderRecord
 from gpupool_sdk.resources.job import Checkpoint, JobSpec, JobState, JobStatus, QoS, Topology
 from gpupool_sdk.resources.units import GiB, KiB, MiB, TiB, format_size, parse_size
@@ -16,6 +16,7 @@ __all__ = [
     "GiB",
     "GpuHealth",
     "GpuInfo",
+    "GpuReadings",
     "JobSpec",
     "JobState",
     "JobStatus",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpupool_sdk.errors import SpecError
@@ -21,8 +21,8 @@ def mig_feature(profile: str) -> str:
     return MIG_PROFILE_PREFIX + profile
 
 
-#: The per-GPU usage readings of :class:`GpuHealth`: fast-moving figures, reported and never judged.
-USAGE_FIELDS = (
+#: The fields of :class:`GpuReadings`, in the order the CLI shows them.
+READING_FIELDS = (
     "utilization",
     "memory_bandwidth_utilization",
     "memory_used_bytes",
@@ -35,16 +35,16 @@ _RATIOS = frozenset({"utilization", "memory_bandwidth_utilization"})
 
 
 @dataclass(frozen=True)
-class GpuHealth:
-    """The agent's health verdict for one GPU, with its last readings.
+class GpuReadings:
+    """One GPU's usage readings: fast-moving figures, reported and never judged or scheduled on.
+
+    The inventory's :class:`~gpupool_sdk.inventory.health.HealthSample` carries them, and the node
+    agent publishes them as the value of ``readings/{node}/{gpu_uuid}``, a key of their own (on the
+    agent's lease; the coordinator neither reads nor watches it), at most once per
+    ``usage_interval_s``. They are not part of the GPU record (``gpus/{node}/{gpu_uuid}``, the
+    scheduler's input), so their churn never wakes a scheduling cycle.
 
     Attributes:
-        healthy: False when any reason below makes the GPU unusable.
-        reasons: human-readable causes (``"ecc double-bit errors: 2"``, ``"xid 79"``, ``"temperature 94C >= 90C"``).
-        temperature_c: last temperature read, if known.
-        power_w: last power draw, if known.
-        ecc_double_bit: volatile double-bit ECC error count, if the GPU reports it.
-        xids: recent XID event codes seen by the agent.
         utilization: fraction (0-1) of the last sample period in which a kernel ran on the
             device (NVML's ``utilization.gpu``), whoever ran it; None when unknown.
         memory_bandwidth_utilization: fraction (0-1) of the period the device memory was
@@ -56,18 +56,14 @@ class GpuHealth:
             without NVLink).
         nvlink_rx_bytes_per_s: NVLink data received, summed over the GPU's links.
 
-    The usage readings (:data:`USAGE_FIELDS`) are None when the agent cannot read them (simulated
-    GPUs, MIG instances, unsupported calls) and are written to a record only when known. The node
-    agent publishes a change of them alone at most once per ``usage_interval_s``
-    (:class:`~gpupool_sdk.agent.NodeAgent`): a published figure can be that old.
+    Every field is None when the agent cannot read it (simulated GPUs, MIG instances, unsupported
+    calls) and is written to a value only when known.
+
+    Example:
+        >>> GpuReadings(utilization=0.5).to_dict()
+        {'utilization': 0.5}
     """
 
-    healthy: bool = True
-    reasons: tuple[str, ...] = ()
-    temperature_c: float | None = None
-    power_w: float | None = None
-    ecc_double_bit: int | None = None
-    xids: tuple[int, ...] = ()
     utilization: float | None = None
     memory_bandwidth_utilization: float | None = None
     memory_used_bytes: int | None = None
@@ -76,35 +72,74 @@ class GpuHealth:
     nvlink_tx_bytes_per_s: float | None = None
     nvlink_rx_bytes_per_s: float | None = None
 
-    def readings(self) -> dict[str, float | int | None]:
-        """Temperature, power and the usage readings by field name (None: unknown), as the CLI shows them."""
-        return {name: getattr(self, name) for name in ("temperature_c", "power_w", *USAGE_FIELDS)}
-
-    def without_usage(self) -> GpuHealth:
-        """This verdict with every usage reading unknown (what the agent's change test compares)."""
-        unknown: dict[str, Any] = dict.fromkeys(USAGE_FIELDS)
-        return replace(self, **unknown)
+    @property
+    def known(self) -> bool:
+        """True when at least one reading is known (the agent publishes only such readings)."""
+        return any(getattr(self, name) is not None for name in READING_FIELDS)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["reasons"] = list(self.reasons)
-        d["xids"] = list(self.xids)
-        # Written only when known, so a record without readings is unchanged from older releases.
-        for name in USAGE_FIELDS:
-            if d[name] is None:
-                del d[name]
-        return d
+        # Written only when known: a value holds what the agent could read, nothing else.
+        return {name: v for name in READING_FIELDS if (v := getattr(self, name)) is not None}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "health") -> GpuHealth:
-        usage: dict[str, Any] = {}
-        for name in USAGE_FIELDS:
+    def from_dict(cls, d: Mapping[str, Any], where: str = "readings") -> GpuReadings:
+        values: dict[str, Any] = {}
+        for name in READING_FIELDS:
             value = opt(d, name, int if name == "memory_used_bytes" else float, where, None)
             if value is not None and value < 0:
                 raise SpecError(f"{where}.{name}", f"must not be negative, got {value!r}")
             if value is not None and name in _RATIOS and value > 1:
                 raise SpecError(f"{where}.{name}", f"must be a ratio between 0 and 1, got {value!r}")
-            usage[name] = value
+            values[name] = value
+        return cls(**values)
+
+
+def device_readings(health: GpuHealth, readings: GpuReadings | None) -> dict[str, float | int | None]:
+    """Temperature and power (from the GPU record) and the usage readings (from the readings key)
+    by field name, None where unknown: what ``gpupool status`` and ``gpupool top`` show.
+
+    Example:
+        >>> device_readings(GpuHealth(temperature_c=40.0), GpuReadings(utilization=0.25))["utilization"]
+        0.25
+    """
+    r = readings if readings is not None else GpuReadings()
+    return {"temperature_c": health.temperature_c, "power_w": health.power_w,
+            **{name: getattr(r, name) for name in READING_FIELDS}}
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """The agent's health verdict for one GPU.
+
+    Attributes:
+        healthy: False when any reason below makes the GPU unusable.
+        reasons: human-readable causes (``"ecc double-bit errors: 2"``, ``"xid 79"``, ``"temperature 94C >= 90C"``).
+        temperature_c: last temperature read, if known.
+        power_w: last power draw, if known.
+        ecc_double_bit: volatile double-bit ECC error count, if the GPU reports it.
+        xids: recent XID event codes seen by the agent.
+
+    The usage readings (utilisation, memory bandwidth, PCIe/NVLink throughput) are not here: they
+    are a :class:`GpuReadings` under a key of their own. A record written by an older agent that
+    still carries them in ``health`` decodes, and those fields are ignored.
+    """
+
+    healthy: bool = True
+    reasons: tuple[str, ...] = ()
+    temperature_c: float | None = None
+    power_w: float | None = None
+    ecc_double_bit: int | None = None
+    xids: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["reasons"] = list(self.reasons)
+        d["xids"] = list(self.xids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "health") -> GpuHealth:
+        # Fields of other releases (the usage readings older agents wrote here) are ignored.
         return cls(
             healthy=req(d, "healthy", bool, where),
             reasons=tuple(opt(d, "reasons", list, where, [])),
@@ -112,7 +147,6 @@ class GpuHealth:
             power_w=opt(d, "power_w", float, where, None),
             ecc_double_bit=opt(d, "ecc_double_bit", int, where, None),
             xids=tuple(opt(d, "xids", list, where, [])),
-            **usage,
         )
 
 

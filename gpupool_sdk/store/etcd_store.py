@@ -208,17 +208,24 @@ class EtcdStore:
         resp = self._call("get", lambda s, t: s.kv.Range(etcdrpc.RangeRequest(key=key.encode()), t), idempotent=True)
         return KeyValue.from_proto(resp.kvs[0]) if resp.kvs else None
 
-    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        """Every key under ``prefix``, sorted by key, and the revision they were read at."""
-        p = prefix.encode()
-        req = etcdrpc.RangeRequest(
-            key=p,
-            range_end=prefix_range_end(p),
-            sort_order=etcdrpc.RangeRequest.ASCEND,
-            sort_target=etcdrpc.RangeRequest.KEY,
-        )
-        resp = self._call("get_prefix", lambda s, t: s.kv.Range(req, t), idempotent=True)
-        return [KeyValue.from_proto(kv) for kv in resp.kvs], int(resp.header.revision)
+    def get_prefix(self, prefix: str, skip: Sequence[str] = ()) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix``, sorted by key, and the revision they were read at.
+
+        Args:
+            prefix: key prefix.
+            skip: prefixes under ``prefix`` whose keys are not read at all (etcd sends none of
+                them): the rest is read as the ranges between them, in one read-only transaction,
+                so every key is still from one revision.
+        """
+        ranges = _ranges_without(prefix.encode(), sorted({p.encode() for p in skip}))
+        if len(ranges) == 1:
+            req = _range(*ranges[0])
+            resp = self._call("get_prefix", lambda s, t: s.kv.Range(req, t), idempotent=True)
+            return [KeyValue.from_proto(kv) for kv in resp.kvs], int(resp.header.revision)
+        txn = etcdrpc.TxnRequest(success=[etcdrpc.RequestOp(request_range=_range(a, b)) for a, b in ranges])
+        tresp = self._call("get_prefix", lambda s, t: s.kv.Txn(txn, t), idempotent=True)
+        kvs = [KeyValue.from_proto(kv) for r in tresp.responses for kv in r.response_range.kvs]
+        return kvs, int(tresp.header.revision)
 
     def revision(self) -> int:
         """The store's current revision."""
@@ -365,6 +372,7 @@ class EtcdStore:
         on_events: Callable[[list[WatchEvent]], None],
         start_revision: int | None = None,
         on_resync: Callable[[], int | None] | None = None,
+        skip: Sequence[str] = (),
     ) -> Any:
         """Watch every key under ``prefix`` in a thread of its own; see :class:`~gpupool_sdk.store.watch.Watcher`.
 
@@ -376,6 +384,8 @@ class EtcdStore:
             on_resync: called when the wanted revision was compacted away; the consumer re-lists.
                 Delivery then resumes right after the revision read *before* the call (or after the
                 revision ``on_resync`` returns, if it returns one), so nothing is lost.
+            skip: prefixes whose events are dropped by the watch thread: ``on_events`` never sees
+                them and is not called for a batch of nothing else.
 
         Returns:
             The running :class:`~gpupool_sdk.store.watch.Watcher` (``cancel()`` to stop).
@@ -383,7 +393,7 @@ class EtcdStore:
         from gpupool_sdk.store.watch import Watcher
 
         self._check_process()
-        w = Watcher(self, prefix, on_events, start_revision=start_revision, on_resync=on_resync)
+        w = Watcher(self, prefix, on_events, start_revision=start_revision, on_resync=on_resync, skip=skip)
         self._watchers.append(w)
         w.start()
         return w
@@ -455,6 +465,30 @@ def decode_all(
                 on_error(exc)
             else:
                 log.warning("skipping malformed value: %s", exc)
+    return out
+
+
+def _range(key: bytes, end: bytes) -> Any:
+    return etcdrpc.RangeRequest(key=key, range_end=end, sort_order=etcdrpc.RangeRequest.ASCEND, sort_target=etcdrpc.RangeRequest.KEY)
+
+
+def _ranges_without(prefix: bytes, skip: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
+    """The key ranges of ``prefix`` less the keys under each of ``skip`` (sorted), in key order.
+
+    Example:
+        >>> _ranges_without(b"/p/", [b"/p/r/"])
+        [(b'/p/', b'/p/r/'), (b'/p/r0', b'/p0')]
+    """
+    out: list[tuple[bytes, bytes]] = []
+    start, end = prefix, prefix_range_end(prefix)
+    for p in skip:
+        if not p.startswith(prefix) or p == prefix or p < start:
+            continue  # outside the range, the whole of it, or inside a range already skipped
+        if p > start:
+            out.append((start, p))
+        start = prefix_range_end(p)
+    if start < end:
+        out.append((start, end))
     return out
 
 

@@ -4,6 +4,7 @@ Layout under the prefix (default ``/gpupool/v1``)::
 
     nodes/{node}                          agent, on the agent's lease
     gpus/{node}/{gpu_uuid}                agent, on the agent's lease
+    readings/{node}/{gpu_uuid}            agent, on the agent's lease (usage readings; the coordinator neither reads nor watches them)
     cordons/{gpu_uuid}                    operator (gpupool cordon), no lease
     drains/{node}                         operator (gpupool drain), no lease
     jobs/{job}/spec                       client, on the job's lease
@@ -93,6 +94,13 @@ class Keyspace:
 
     def gpus_prefix(self, node: str | None = None) -> str:
         return self._k("gpus", _seg(node, "node"), "") if node else self._k("gpus", "")
+
+    # Per-GPU usage readings (agent): apart from the GPU record, so that their churn is no scheduler input.
+    def readings(self, node: str, gpu_uuid: str) -> str:
+        return self._k("readings", _seg(node, "node"), _seg(gpu_uuid, "gpu_uuid"))
+
+    def readings_prefix(self, node: str | None = None) -> str:
+        return self._k("readings", _seg(node, "node"), "") if node else self._k("readings", "")
 
     # Operator intents.
     def cordon(self, gpu_uuid: str) -> str:
@@ -209,6 +217,7 @@ class Keyspace:
         shapes = {
             "nodes": 1,
             "gpus": 2,
+            "readings": 2,
             "cordons": 1,
             "drains": 1,
             "allocations": 3,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -37,6 +37,8 @@ class Watcher:
         next_revision: the first revision not yet delivered (None before the first stream opens).
         reconnects: how many times the stream was re-opened after a failure.
         resyncs: how many times the wanted revision was compacted and ``on_resync`` was called.
+
+    Events of keys under one of the ``skip`` prefixes are dropped here: the consumer never sees them.
     """
 
     def __init__(
@@ -46,9 +48,11 @@ class Watcher:
         on_events: Callable[[list[WatchEvent]], None],
         start_revision: int | None = None,
         on_resync: Callable[[], int | None] | None = None,
+        skip: Sequence[str] = (),
     ) -> None:
         self._store = store
         self.prefix = prefix
+        self._skip = tuple(p.encode() for p in skip)
         self._on_events = on_events
         self._on_resync = on_resync
         self.next_revision: int | None = start_revision
@@ -163,17 +167,21 @@ class Watcher:
 
     def _deliver(self, raw_events: Any) -> None:
         events = []
+        last = int(raw_events[-1].kv.mod_revision)
         for ev in raw_events:
+            if self._skip and bytes(ev.kv.key).startswith(self._skip):
+                continue
             kv = KeyValue.from_proto(ev.kv)
             prev = KeyValue.from_proto(ev.prev_kv) if ev.HasField("prev_kv") else None
             events.append(WatchEvent("put" if ev.type == _PUT else "delete", kv, prev))
         if self._cancelled.is_set():
             return
-        try:
-            self._on_events(events)
-        except Exception:
-            log.exception("watch callback for %s raised; events up to revision %d are considered delivered", self.prefix, events[-1].kv.mod_revision)
-        self.next_revision = events[-1].kv.mod_revision + 1
+        if events:
+            try:
+                self._on_events(events)
+            except Exception:
+                log.exception("watch callback for %s raised; events up to revision %d are considered delivered", self.prefix, last)
+        self.next_revision = last + 1
 
     def _resync(self, compact_revision: int) -> None:
         self.resyncs += 1

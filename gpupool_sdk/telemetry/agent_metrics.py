@@ -4,7 +4,9 @@
 read at its last refresh (no NVML call per scrape). The usage series (utilisation, memory
 bandwidth, memory used, PCIe and NVLink bytes/s) are exported only for GPUs whose reading is known:
 a simulated GPU, a MIG instance or an unsupported call gives no series rather than a 0. They are
-every refresh's readings, unlike the GPU records in etcd (see :mod:`gpupool_sdk.agent.agent`). GPU series carry dcgm-exporter's labels
+every refresh's readings (:attr:`~gpupool_sdk.agent.agent.NodeAgent.last_readings`, the
+:class:`~gpupool_sdk.resources.GpuReadings` the agent publishes under ``readings/{node}/{gpu}``
+at most once per ``--usage-interval``; see :mod:`gpupool_sdk.agent.agent`). GPU series carry dcgm-exporter's labels
 (``UUID``, ``gpu`` = index, ``Hostname``, ``modelName``) and the pool's ``node``.
 ``gpupool agent --metrics-port 9401 --metrics-addr ADDR`` serves it.
 
@@ -84,6 +86,7 @@ class AgentMetrics(Collector):
             registered.add_metric([a.node, host or a.node], 1 if a.registered else 0)
             refreshes.add_metric([a.node], a.refreshes)
             registrations.add_metric([a.node], a.registrations)
+            readings = a.last_readings
             for g in sorted(a.last_gpus, key=lambda g: (g.index, g.uuid)):
                 lv = gpu_label_values(g, host)
                 h = g.health
@@ -97,8 +100,9 @@ class AgentMetrics(Collector):
                     ecc.add_metric(lv, h.ecc_double_bit)
                 for code in h.xids:
                     xid.add_metric([*lv, str(code)], 1)
+                r = readings.get(g.uuid)
                 for name, family in usage.items():
-                    value = getattr(h, name)
+                    value = getattr(r, name) if r is not None else None
                     if value is not None:
                         family.add_metric(lv, value)
         yield from (nodes, registered, refreshes, registrations, healthy, mem, temp, power, ecc, xid)

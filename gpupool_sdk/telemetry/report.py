@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpupool_sdk.resources import QoS
+from gpupool_sdk.resources.gpu import device_readings
 from gpupool_sdk.telemetry.advice import AdviceSettings, advise
 from gpupool_sdk.telemetry.pricing import ModelOffer, PriceTable
 from gpupool_sdk.telemetry.summary import PHASES
@@ -130,8 +131,9 @@ def gpu_rows(view: PoolView) -> list[dict[str, Any]]:
                 # max, not sum: without per-process NVML samples each job reports the whole device's
                 "util": max(utils) if utils else None,
                 "jobs": sorted(a.job for a in allocs),
-                # the agent's reading of the whole device (any process), usage up to its --usage-interval old
-                "readings": g.health.readings(),
+                # the agent's reading of the whole device (any process): temperature and power from
+                # the GPU record, usage from readings/{node}/{gpu} (up to its --usage-interval old)
+                "readings": device_readings(g.health, view.readings.get(uuid)),
             }
         )
     return rows

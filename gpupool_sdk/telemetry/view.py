@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool_sdk.errors import SchemaError
-from gpupool_sdk.resources import Allocation, GpuInfo, JobSpec, JobStatus, LeaderRecord, NodeInfo
+from gpupool_sdk.resources import Allocation, GpuInfo, GpuReadings, JobSpec, JobStatus, LeaderRecord, NodeInfo
 from gpupool_sdk.store.codec import decode
 from gpupool_sdk.store.keyspace import Keyspace
 from gpupool_sdk.telemetry.pricing import PriceTable
@@ -23,6 +23,7 @@ from gpupool_sdk.telemetry.usage import UsageRecord
 _DECODERS: Mapping[str, type] = {
     "nodes": NodeInfo,
     "gpus": GpuInfo,
+    "readings": GpuReadings,
     "jobs.spec": JobSpec,
     "jobs.status": JobStatus,
     "allocations": Allocation,
@@ -41,6 +42,7 @@ class PoolView:
         now: wall-clock time of the read.
         revision: etcd revision of the read (0 for views built by hand).
         gpus: published GPUs by UUID.
+        readings: the agents' usage readings (``readings/{node}/{gpu}``) by GPU UUID.
         nodes: node records published by the agents, by node name.
         cordoned: UUIDs with an operator cordon.
         specs: job specs by job name (live jobs).
@@ -57,6 +59,7 @@ class PoolView:
     now: float
     revision: int = 0
     gpus: Mapping[str, GpuInfo] = field(default_factory=dict)
+    readings: Mapping[str, GpuReadings] = field(default_factory=dict)
     nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
     cordoned: frozenset[str] = frozenset()
     specs: Mapping[str, JobSpec] = field(default_factory=dict)
@@ -99,6 +102,7 @@ def view_from_kvs(
     keys of unknown shape are ignored; malformed values of known kinds land in ``errors``.
     """
     gpus: dict[str, GpuInfo] = {}
+    readings: dict[str, GpuReadings] = {}
     nodes: dict[str, NodeInfo] = {}
     cordoned: set[str] = set()
     specs: dict[str, JobSpec] = {}
@@ -126,6 +130,8 @@ def view_from_kvs(
             continue
         if parsed.kind == "gpus":
             gpus[rec.uuid] = rec
+        elif parsed.kind == "readings":
+            readings[parsed.parts[1]] = rec
         elif parsed.kind == "nodes":
             nodes[parsed.parts[0]] = rec
         elif parsed.kind == "jobs.spec":
@@ -146,6 +152,7 @@ def view_from_kvs(
         now=now,
         revision=revision,
         gpus=gpus,
+        readings=readings,
         nodes=nodes,
         cordoned=frozenset(cordoned),
         specs=specs,

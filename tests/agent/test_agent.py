@@ -17,7 +17,7 @@ from gpupool_sdk.agent import NodeAgent, publishable, run_agents
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.errors import ConfigError, NodeClaimedError
 from gpupool_sdk.inventory import simulated_backends
-from gpupool_sdk.resources import GpuHealth, GpuInfo, NodeInfo
+from gpupool_sdk.resources import GpuHealth, GpuInfo, GpuReadings, NodeInfo
 from gpupool_sdk.store.codec import decode
 
 TIMING = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
@@ -68,64 +68,92 @@ def test_refresh_rewrites_only_changed_gpus(store, agents):
     assert not g.healthy and g.health.reasons == ("test",)
 
 
-USAGE = {"utilization": 0.5, "memory_bandwidth_utilization": 0.2, "memory_used_bytes": 7 << 30, "pcie_tx_bytes_per_s": 1e9}
+USAGE = GpuReadings(utilization=0.5, memory_bandwidth_utilization=0.2, memory_used_bytes=7 << 30, pcie_tx_bytes_per_s=1e9)
 
 
 def _busy(a, uuid, **kw):
-    """Give a simulated GPU usage readings, keeping its other readings."""
-    g = next(g for g in a.backend.gpus() if g.uuid == uuid)
-    a.backend.set_health(uuid, dataclasses.replace(g.health, **{**USAGE, **kw}))
+    """Give a simulated GPU usage readings (as NVML would read them)."""
+    a.backend.set_readings(uuid, dataclasses.replace(USAGE, **kw))
 
 
-def _published(store, uuid):
-    return store.get_record(store.keys.gpu("n", uuid), GpuInfo)[0].health
+def _readings(store, node="n"):
+    kvs, _ = store.get_prefix(store.keys.readings_prefix(node))
+    return {kv.key.rsplit("/", 1)[-1]: kv for kv in kvs}
 
 
-def test_usage_readings_alone_do_not_rewrite_keys(store, agents):
-    # Utilisation and bandwidth move on every refresh; the coordinator wakes on every GPU write.
+def test_usage_readings_live_under_a_key_of_their_own_on_the_agents_lease(store, agents):
     clock = [1000.0]
-    a = make(store, agents, usage_interval_s=60.0, clock=lambda: clock[0])
+    a = make(store, agents, usage_interval_s=10.0, clock=lambda: clock[0])
+    _busy(a, "GPU-sim-n-2")
+    lease = a.start()
+    readings = _readings(store)
+    assert set(readings) == {"GPU-sim-n-2"} and readings["GPU-sim-n-2"].lease == lease  # simulated GPUs: none
+    assert decode(readings["GPU-sim-n-2"].key, readings["GPU-sim-n-2"].value, GpuReadings) == USAGE
+    # the GPU record, the scheduler's input, carries none of them
+    assert "utilization" not in store.get(store.keys.gpu("n", "GPU-sim-n-2")).value.decode()
+    assert store.keys.readings("n", "GPU-sim-n-2") in store.lease_info(lease).keys
+    a.stop(revoke=True)
+    assert _readings(store) == {}  # a stopped (or dead) agent's readings vanish with its lease
+
+
+def test_usage_readings_never_rewrite_the_gpu_record(store, agents):
+    clock = [1000.0]
+    a = make(store, agents, usage_interval_s=10.0, clock=lambda: clock[0])
     a.start()
     before = keys_of(store)
     _busy(a, "GPU-sim-n-2")
-    clock[0] += 59.0
-    assert a.refresh() == 0
+    clock[0] += 10.0
+    assert a.refresh() == 1  # the readings key, nothing else
     assert keys_of(store) == before
-    assert a.last_gpus[2].health.utilization == 0.5  # the agent's metrics see every reading
-    assert _published(store, "GPU-sim-n-2").utilization is None
-    # a change that is written anyway carries the latest readings along
-    _busy(a, "GPU-sim-n-2", utilization=0.9, healthy=False, reasons=("test",))
-    assert a.refresh() == 1
-    h = _published(store, "GPU-sim-n-2")
-    assert (h.healthy, h.utilization, h.memory_used_bytes) == (False, 0.9, 7 << 30)
+    assert a.last_readings["GPU-sim-n-2"] == USAGE  # what the agent's metrics export
+    a.backend.set_health("GPU-sim-n-2", GpuHealth(healthy=False, reasons=("test",)))
+    assert a.refresh() == 1  # a health change is written at once, readings or not
+    assert not store.get_record(store.keys.gpu("n", "GPU-sim-n-2"), GpuInfo)[0].healthy
 
 
-def test_usage_readings_are_republished_once_per_interval(store, agents):
+def test_usage_readings_are_published_once_per_interval_when_they_change(store, agents):
     clock = [1000.0]
-    a = make(store, agents, usage_interval_s=60.0, clock=lambda: clock[0])
+    a = make(store, agents, usage_interval_s=10.0, clock=lambda: clock[0])
     a.start()
     _busy(a, "GPU-sim-n-1")
-    clock[0] += 30.0
+    clock[0] += 5.0
     assert a.refresh() == 0
-    clock[0] += 30.0  # the readings published at start are now one interval old
+    clock[0] += 5.0  # one interval since the start's publication
     assert a.refresh() == 1
-    assert _published(store, "GPU-sim-n-1").utilization == 0.5
+    key = store.keys.readings("n", "GPU-sim-n-1")
+    assert store.get_record(key, GpuReadings)[0].utilization == 0.5
     _busy(a, "GPU-sim-n-1", utilization=0.6)
-    clock[0] += 59.0
+    clock[0] += 9.0
     assert a.refresh() == 0
     clock[0] += 1.0
     assert a.refresh() == 1
+    clock[0] += 10.0
     assert a.refresh() == 0  # unchanged readings are never rewritten, however old
-    clock[0] += 600.0
-    assert a.refresh() == 0
+    a.backend.set_readings("GPU-sim-n-1", None)  # no longer known (say, MIG mode enabled)
+    clock[0] += 10.0
+    assert a.refresh() == 1 and _readings(store) == {}
 
 
-@pytest.mark.parametrize(("interval", "writes"), [(None, 0), (0.0, 1)])
-def test_usage_interval_none_never_and_zero_always(store, agents, interval, writes):
+def test_garbage_and_strays_under_the_readings_prefix_are_repaired(store, agents):
+    clock = [1000.0]
+    a = make(store, agents, usage_interval_s=10.0, clock=lambda: clock[0])
+    _busy(a, "GPU-sim-n-0")
+    lease = a.start()
+    store.put(store.keys.readings("n", "GPU-sim-n-0"), b"{oops", lease=lease)
+    store.put(store.keys.readings("n", "GPU-gone"), USAGE, lease=lease)
+    clock[0] += 10.0
+    assert a.refresh() == 2
+    assert set(_readings(store)) == {"GPU-sim-n-0"}
+    assert store.get_record(store.keys.readings("n", "GPU-sim-n-0"), GpuReadings)[0] == USAGE
+
+
+@pytest.mark.parametrize(("interval", "writes", "keys"), [(None, 0, set()), (0.0, 1, {"GPU-sim-n-0"})])
+def test_usage_interval_none_never_and_zero_every_refresh(store, agents, interval, writes, keys):
     a = make(store, agents, usage_interval_s=interval)
     a.start()
     _busy(a, "GPU-sim-n-0")
     assert a.refresh() == writes
+    assert set(_readings(store)) == keys
 
 
 def _claim(store, lease: int, host: str, pid: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gpupool_sdk.resources import GpuInfo, NodeInfo
+from gpupool_sdk.resources import GpuInfo, GpuReadings, NodeInfo
 from gpupool_sdk.store.codec import decode
 
 DEADLINE_S = 30.0
@@ -162,6 +162,29 @@ def test_fault_file_flips_health(start_agent, store, tmp_path):
     faults.write_text("{}")
     wait_for(lambda: all(g.healthy for g in gpus_of(store, "nf").values()), "recovery", proc=agent.proc)
     assert "is unhealthy" in agent.log()
+
+
+def test_readings_are_published_under_their_own_keys_and_shown_by_status(start_agent, store, tmp_path, etcd_endpoint):
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"GPU-sim-nr-1": {"utilization": 0.42, "pcie_rx_bytes_per_s": 2e9}}))
+    agent = start_agent("--node", "nr", "--simulate", "2xH100", "--fault-file", str(faults), "--usage-interval", "0")
+    key = store.keys.readings("nr", "GPU-sim-nr-1")
+    kv = wait_for(lambda: store.get(key), "the readings key", proc=agent.proc)
+    assert decode(key, kv.value, GpuReadings) == GpuReadings(utilization=0.42, pcie_rx_bytes_per_s=2e9)
+    assert kv.lease == store.get(store.keys.node("nr")).lease  # the agent's lease
+    assert store.get(store.keys.readings("nr", "GPU-sim-nr-0")) is None  # no readings: no key
+    gpu_rev = store.get(store.keys.gpu("nr", "GPU-sim-nr-1")).mod_revision
+    faults.write_text(json.dumps({"GPU-sim-nr-1": {"utilization": 0.07}}))
+    wait_for(lambda: (kv := store.get(key)) and decode(key, kv.value, GpuReadings).utilization == 0.07, "new readings",
+             proc=agent.proc)
+    assert store.get(store.keys.gpu("nr", "GPU-sim-nr-1")).mod_revision == gpu_rev  # the GPU record is untouched
+    status = subprocess.run(
+        [sys.executable, "-m", "gpupool_sdk.cli.main", "status", "-o", "json", "--endpoints", etcd_endpoint,
+         "--prefix", store.keys.prefix], capture_output=True, text=True, timeout=DEADLINE_S, check=True)
+    shown = {g["uuid"]: g["readings"] for g in json.loads(status.stdout)["gpus"]}
+    assert shown["GPU-sim-nr-1"]["utilization"] == 0.07 and shown["GPU-sim-nr-0"]["utilization"] is None
+    assert agent.signal(signal.SIGTERM) == 0
+    assert store.get_prefix(store.keys.readings_prefix("nr"))[0] == []  # gone with the lease
 
 
 def test_malformed_values_do_not_crash_the_agent(start_agent, store, etcdctl, tmp_path):

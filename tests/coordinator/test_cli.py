@@ -16,7 +16,16 @@ from testkit import publish_gpus
 
 from gpupool_sdk.cli.common import EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_USAGE
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import Allocation, GiB, JobSpec, JobState, JobStatus, LeaderRecord, QoS
+from gpupool_sdk.resources import (
+    Allocation,
+    GiB,
+    GpuReadings,
+    JobSpec,
+    JobState,
+    JobStatus,
+    LeaderRecord,
+    QoS,
+)
 from gpupool_sdk.store import EtcdStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +63,7 @@ def test_status_json_shows_the_pool_and_reports_malformed_keys(store: EtcdStore,
     uuids = _populate(store)
     etcdctl("put", store.keys.job_spec("hand-edited"), "{oops")
     etcdctl("put", store.keys.gpu("node-a", "GPU-bad"), '{"schema": 1, "kind": "GpuInfo"}')
+    etcdctl("put", store.keys.readings("node-a", uuids[1]), '{"schema": 1, "utilization": 3}')
     r = gpupool("status", "-o", "json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
@@ -63,17 +73,24 @@ def test_status_json_shows_the_pool_and_reports_malformed_keys(store: EtcdStore,
     jobs = {j["name"]: j for j in d["jobs"]}
     assert jobs["bert"]["state"] == "GRANTED" and jobs["bert"]["allocations"][0]["gpu_uuid"] == uuids[0]
     assert [q["name"] for q in d["queue"]] == ["waiting"]
-    assert {p["key"] for p in d["problems"]} == {store.keys.job_spec("hand-edited"), store.keys.gpu("node-a", "GPU-bad")}
+    assert {p["key"] for p in d["problems"]} == {
+        store.keys.job_spec("hand-edited"), store.keys.gpu("node-a", "GPU-bad"), store.keys.readings("node-a", uuids[1])}
+    assert "utilization" in next(p["message"] for p in d["problems"] if "/readings/" in p["key"])
+    assert d["gpus"][1]["readings"]["utilization"] is None  # garbage is shown as unknown
 
 
 def test_status_shows_the_agents_device_readings(store: EtcdStore, gpupool: Run) -> None:
     gpus = parse_cluster_spec("node-a:2xA100-40GB:pcie")
-    busy = dataclasses.replace(gpus[0].health, utilization=0.37, pcie_rx_bytes_per_s=2.0 * GiB, memory_used_bytes=GiB)
-    publish_gpus(store, [dataclasses.replace(gpus[0], health=busy), gpus[1]])
+    hot = dataclasses.replace(gpus[0].health, temperature_c=71.0)
+    lease = publish_gpus(store, [dataclasses.replace(gpus[0], health=hot), gpus[1]])
+    # usage readings live under a key of their own, as the agent writes them on its lease
+    busy = GpuReadings(utilization=0.37, pcie_rx_bytes_per_s=2.0 * GiB, memory_used_bytes=GiB)
+    store.put(store.keys.readings("node-a", gpus[0].uuid), busy, lease=lease)
     d = json.loads(gpupool("status", "-o", "json").stdout)
     r0, r1 = (g["readings"] for g in d["gpus"])
     assert (r0["utilization"], r0["pcie_rx_bytes_per_s"], r0["memory_used_bytes"]) == (0.37, 2.0 * GiB, GiB)
-    assert r1["utilization"] is None and r0["nvlink_tx_bytes_per_s"] is None
+    assert r0["temperature_c"] == 71.0  # from the GPU record
+    assert r1["utilization"] is None and r0["nvlink_tx_bytes_per_s"] is None and not d["problems"]
     plain = gpupool("status").stdout
     header = next(line for line in plain.splitlines() if line.startswith("NODE ") and " IDX " in line)
     row = next(line for line in plain.splitlines() if line.startswith("node-a ") and " 0 " in line[:12])

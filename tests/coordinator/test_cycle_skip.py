@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -12,12 +13,12 @@ from testkit import publish_gpus, wait_for
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import GpuInfo, JobSpec
+from gpupool_sdk.resources import GpuInfo, GpuReadings, JobSpec
 from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
 from gpupool_sdk.scheduler.policy import Scheduler
-from gpupool_sdk.scheduler.types import ClusterSnapshot, Grant, Queue, SchedulerConfig, ScheduleResult
+from gpupool_sdk.scheduler.types import ClusterSnapshot, Queue, SchedulerConfig, ScheduleResult
 from gpupool_sdk.store import EtcdStore, WatchEvent
-from gpupool_sdk.store.codec import decode
+from gpupool_sdk.store.codec import encode
 
 TIMING = LeaseTiming(ttl_s=5, keepalive_interval_s=0.5, retry_timeout_s=1.0)
 
@@ -122,69 +123,95 @@ def test_no_skip_when_time_orders_or_when_off(store: EtcdStore, two_jobs: int, c
         coord.election.resign()
 
 
-def test_a_gpu_rewritten_for_its_usage_readings_alone_does_not_wake_the_coordinator(store: EtcdStore) -> None:
-    """The agent republishes utilisation and PCIe/NVLink rates about once a minute per node; that is no news."""
+def _readings_key(store: EtcdStore, gpu: GpuInfo) -> str:
+    return store.keys.readings(gpu.node, gpu.uuid)
+
+
+def test_readings_churn_runs_no_scheduler_and_a_health_change_does(store: EtcdStore, two_jobs: int) -> None:
+    """A running leader: the agents rewrite readings/{node}/{gpu} every few seconds; that is no news."""
     (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
-    publish_gpus(store, [gpu])
-    coord, _ = _coordinator(store, DEFAULT_SCHEDULER)
-    key = store.keys.gpu(gpu.node, gpu.uuid)
+    gpu_kv = store.get(store.keys.gpu(gpu.node, gpu.uuid))
+    reports: list[CycleReport] = []
+    sched = CountingScheduler(replace(DEFAULT_SCHEDULER, etcd_max_txn_ops=128))
+    coord = Coordinator(store, DEFAULT_SCHEDULER, TIMING, "skip-test", loop_wait_s=0.5, scheduler=sched,
+                        autoscale=None, on_cycle=reports.append)
+    thread = threading.Thread(target=coord.run, daemon=True)
+    thread.start()
+    try:
+        # Grant a, queue b, then a cycle that reads its own writes and is skipped from then on.
+        wait_for(lambda: any(r.skipped for r in reports), what="a skipped cycle")
+        runs, cycles = sched.runs, coord.stats.cycles
+        churn = 0
+        for util in (0.1, 0.5, 0.9, 0.3, 0.7):
+            churn = store.put(_readings_key(store, gpu), GpuReadings(utilization=util, pcie_rx_bytes_per_s=1e9),
+                              lease=gpu_kv.lease)
+        store.put(store.keys.readings(gpu.node, "GPU-other"), b"{garbage", lease=gpu_kv.lease)
+        churn = store.put(store.keys.readings(gpu.node, "GPU-other"), b"[1, 2]", lease=gpu_kv.lease)
+        # The next cycle (the loop's own, every loop_wait) reads past the churn: still nothing to schedule.
+        after = wait_for(lambda: [r for r in reports if r.revision >= churn], what="a cycle after the churn")
+        assert after[0].skipped and sched.runs == runs
+        assert all(r.skipped for r in reports[cycles:]) and sched.runs == runs
+        state = coord.last_state
+        assert state is not None and state.readings == {} and not state.problems  # never read, garbage or not
+        # A health change of the GPU record is scheduler input: it wakes the loop and runs the scheduler.
+        hot = store.put(store.keys.gpu(gpu.node, gpu.uuid),
+                        replace(gpu, health=replace(gpu.health, temperature_c=95.0, healthy=False, reasons=("hot",))),
+                        lease=gpu_kv.lease)
+        woke = wait_for(lambda: [r for r in reports if r.revision >= hot], what="a cycle after the health change")
+        assert not woke[0].skipped and sched.runs == runs + 1
+    finally:
+        coord.stop()
+        thread.join(30)
+
+
+def test_a_readings_write_never_wakes_the_loop(store: EtcdStore) -> None:
+    """The watch drops readings before the coordinator sees them (a GPU write still wakes it)."""
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    lease = publish_gpus(store, [gpu])
     seen: list[WatchEvent] = []
-    kv = store.get(key)
-    watch = store.watch_prefix(key, seen.extend, start_revision=kv.mod_revision + 1)
+    coord = Coordinator(store, DEFAULT_SCHEDULER, TIMING, "watch-test", loop_wait_s=0.5, autoscale=None)
+    on_events = coord._on_events
+
+    def spy(events: list[WatchEvent]) -> None:
+        seen.extend(events)
+        on_events(events)
+
+    coord._on_events = spy  # type: ignore[method-assign]
+    thread = threading.Thread(target=coord.run, daemon=True)
+    thread.start()
     try:
-        busy = replace(gpu, health=replace(gpu.health, utilization=0.9, pcie_tx_bytes_per_s=1e9))
-        hot = replace(busy, health=replace(busy.health, temperature_c=95.0, healthy=False, reasons=("hot",)))
-        for record in (busy, replace(busy, health=replace(busy.health, utilization=0.1)), hot):
-            store.put(key, record, lease=kv.lease)  # as the agent does, on its own lease
-        wait_for(lambda: len(seen) == 3, what="three watch events")
-        woke = []
-        for e in seen:
-            coord._wake.clear()
-            coord._on_events([e])
-            woke.append(coord._wake.is_set())
-        assert woke == [False, False, True]  # usage readings alone: quiet; a health change: a cycle
+        wait_for(lambda: coord._watcher is not None and coord._watcher.wait_ready(0.1), what="the watch")
+        for util in (0.2, 0.4):
+            last = store.put(_readings_key(store, gpu), GpuReadings(utilization=util), lease=lease)
+        store.delete(_readings_key(store, gpu))
+        wait_for(lambda: coord._watcher.next_revision > last + 1, what="the readings events to pass")
+        assert not [e for e in seen if "/readings/" in e.kv.key]
+        rev = store.put(store.keys.gpu(gpu.node, gpu.uuid), replace(gpu, health=replace(gpu.health, power_w=99.0)),
+                        lease=lease)
+        wait_for(lambda: any(e.kv.mod_revision == rev for e in seen), what="the GPU event")
     finally:
-        watch.cancel()
+        coord.stop()
+        thread.join(30)
 
 
-def test_usage_readings_alone_do_not_defeat_the_skip(store: EtcdStore, two_jobs: int) -> None:
-    """A GPU rewritten for its usage readings alone is the same scheduler input; a health change is not."""
-    coord, sched = _coordinator(store, DEFAULT_SCHEDULER)
-    try:
-        _cycle(coord)
-        _cycle(coord)
-        assert _cycle(coord).skipped
-        key = next(kv.key for kv in store.get_prefix(store.keys.gpus_prefix("node-a"))[0])
-        kv = store.get(key)
-        gpu = decode(key, kv.value, GpuInfo)
-        for util in (0.5, 0.9):
-            store.put(key, replace(gpu, health=replace(gpu.health, utilization=util, pcie_rx_bytes_per_s=1e9)), lease=kv.lease)
-            assert _cycle(coord).skipped
-        runs = sched.runs
-        store.put(key, replace(gpu, health=replace(gpu.health, temperature_c=55.0)), lease=kv.lease)
-        assert not _cycle(coord).skipped and sched.runs == runs + 1
-        assert _cycle(coord).skipped
-        store.put(key, replace(gpu, health=replace(gpu.health, temperature_c=55.0)), lease=store.grant_lease(60))
-        assert not _cycle(coord).skipped  # a new lease on the same record is news
-    finally:
-        coord.election.resign()
-
-
-def test_the_policy_does_not_read_the_usage_readings(store: EtcdStore, two_jobs: int) -> None:
-    """What lets the skip above ignore them: the same snapshot with busy or idle readings decides the same.
-    A policy that starts reading them must make Coordinator._read count them again."""
+def test_a_gpu_record_of_an_older_agent_with_usage_readings_is_accepted(store: EtcdStore) -> None:
+    """Rolling upgrade: agents of the previous release still write the readings inside the GPU record."""
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    lease = publish_gpus(store, [gpu])
+    old = gpu.to_dict()
+    old["health"].update({"utilization": 0.9, "memory_bandwidth_utilization": 0.4, "memory_used_bytes": 1 << 30,
+                          "pcie_tx_bytes_per_s": 1e9, "pcie_rx_bytes_per_s": 2e9})
+    store.put(store.keys.gpu(gpu.node, gpu.uuid), encode(old, kind="GpuInfo"), lease=lease)
+    job_lease = store.grant_lease(60)
+    store.create(store.keys.job_spec("a"), JobSpec(name="a", gpus=1, memory="4GiB"), lease=job_lease)
     coord, _ = _coordinator(store, DEFAULT_SCHEDULER)
     try:
-        snap = coord.read_state(coord.term).snapshot  # a and b pending: a placement to decide
-        busy = {u: replace(g, health=replace(g.health, utilization=1.0, memory_bandwidth_utilization=1.0,
-                                             memory_used_bytes=g.memory_bytes, pcie_rx_bytes_per_s=25e9))
-                for u, g in snap.gpus.items()}
-        policy = Scheduler(replace(DEFAULT_SCHEDULER, etcd_max_txn_ops=128))
-        decided = policy.run(snap)
-        assert any(isinstance(d, Grant) for d in decided.decisions)
-        assert policy.run(replace(snap, gpus=busy)) == decided
+        state = coord.read_state(coord.term)
+        assert not state.problems and state.snapshot.gpus[gpu.uuid] == gpu  # the readings are ignored
+        assert _cycle(coord).applied.get("Grant") == 1
     finally:
         coord.election.resign()
+        store.revoke_lease(job_lease)
 
 
 @pytest.mark.parametrize("garbage", [b"{oops", b"[1, 2]", b'{"schema": 1, "v": ' + b"[" * 3000 + b"]" * 3000 + b"}"])

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from gpupool_sdk.inventory.base import InventoryBackend, SimulatedBackend, simulated_backends
-from gpupool_sdk.resources import GpuHealth
+from gpupool_sdk.resources import GpuHealth, GpuReadings
 
 
 def test_one_backend_per_node_and_protocol():
@@ -58,9 +58,28 @@ def test_fault_file_flips_health_and_recovers(tmp_path):
     assert all(g.healthy for g in b.gpus())
 
 
+def test_fault_file_gives_simulated_gpus_usage_readings(tmp_path):
+    path = tmp_path / "faults.json"
+    (b,) = simulated_backends("2xA100", default_node="n", fault_file=path)
+    b.gpus()
+    assert b.readings() == {}  # a simulated GPU has none of its own
+    path.write_text(json.dumps({"GPU-sim-n-1": {"utilization": 0.9, "pcie_rx_bytes_per_s": 2e9},
+                                "GPU-sim-other-0": {"utilization": 0.5}}))
+    gpus = b.gpus()
+    assert all(g.healthy for g in gpus)  # readings are never judged
+    assert b.readings() == {"GPU-sim-n-1": GpuReadings(utilization=0.9, pcie_rx_bytes_per_s=2e9)}
+    b.set_readings("GPU-sim-n-1", GpuReadings(utilization=0.1))  # set_readings wins over the file
+    assert b.readings()["GPU-sim-n-1"].utilization == 0.1
+    path.write_text("{}")
+    b.set_readings("GPU-sim-n-1", None)
+    b.gpus()
+    assert b.readings() == {}
+
+
 @pytest.mark.parametrize(
     "content",
-    ["{not json", "[1, 2]", '{"GPU-sim-n-0": 5}', '{"GPU-sim-n-0": {"color": "red"}}', '{"GPU-sim-n-0": {"xid": "79"}}'],
+    ["{not json", "[1, 2]", '{"GPU-sim-n-0": 5}', '{"GPU-sim-n-0": {"color": "red"}}', '{"GPU-sim-n-0": {"xid": "79"}}',
+     '{"GPU-sim-n-0": {"utilization": 1.5}}', '{"GPU-sim-n-0": {"memory_used_bytes": -1}}'],
 )
 def test_malformed_fault_file_warns_and_keeps_previous(tmp_path, caplog, content):
     path = tmp_path / "faults.json"

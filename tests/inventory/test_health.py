@@ -2,6 +2,7 @@ import pytest
 
 from gpupool_sdk.errors import ConfigError
 from gpupool_sdk.inventory.health import FATAL_XIDS, HealthSample, HealthThresholds, judge_health
+from gpupool_sdk.resources import GpuReadings
 
 
 @pytest.mark.parametrize(
@@ -51,9 +52,8 @@ def test_bad_threshold_names_field(bad):
     assert e.value.field == "max_temperature_c"
 
 
-def test_usage_readings_are_carried_and_never_judged():
-    sample = HealthSample(
-        temperature_c=50.0,
+def test_usage_readings_are_never_judged_nor_carried_into_the_verdict():
+    readings = GpuReadings(
         utilization=1.0,
         memory_bandwidth_utilization=0.95,
         memory_used_bytes=80 * 1024**3,
@@ -62,9 +62,7 @@ def test_usage_readings_are_carried_and_never_judged():
         nvlink_tx_bytes_per_s=400e9,
         nvlink_rx_bytes_per_s=390e9,
     )
-    h = judge_health(sample)
+    h = judge_health(HealthSample(temperature_c=50.0, readings=readings))
     assert h.healthy and h.reasons == ()  # a saturated GPU is busy, not broken
-    assert (h.utilization, h.memory_bandwidth_utilization, h.memory_used_bytes) == (1.0, 0.95, 80 * 1024**3)
-    assert (h.pcie_tx_bytes_per_s, h.pcie_rx_bytes_per_s) == (25e9, 1e9)
-    assert (h.nvlink_tx_bytes_per_s, h.nvlink_rx_bytes_per_s) == (400e9, 390e9)
-    assert judge_health(HealthSample()).utilization is None
+    assert h == judge_health(HealthSample(temperature_c=50.0))  # the verdict (the GPU record) holds no usage
+    assert HealthSample().readings == GpuReadings() and not GpuReadings().known

@@ -5,7 +5,7 @@ import pytest
 
 from gpupool_sdk.inventory.base import InventoryBackend
 from gpupool_sdk.inventory.nvml import NvmlBackend, NvmlUnavailableError, nvml_available
-from gpupool_sdk.resources import GpuInfo
+from gpupool_sdk.resources import GpuReadings
 from tests.inventory.fake_nvml import FakeGpu, FakeNvml, MiB, mig_box, nvswitch_box, two_island_box
 
 
@@ -221,11 +221,13 @@ def test_real_gpu_usage_readings():
     try:
         backend.gpus()
         time.sleep(1.0)  # let the PCIe/NVLink counters and their timestamps move between the two readings
-        for g in backend.gpus():
-            h = g.health
-            print(g.index, {k: v for k, v in h.readings().items() if v is not None})  # for docs/inventory.md
+        gpus = backend.gpus()
+        readings = backend.readings()
+        for g in gpus:
+            h = readings.get(g.uuid, GpuReadings())
+            print(g.index, h.to_dict())  # for docs/inventory.md
             if g.is_mig:
-                assert h.utilization is None and h.memory_used_bytes is None
+                assert g.uuid not in readings
                 continue
             assert h.utilization is not None and 0.0 <= h.utilization <= 1.0
             assert h.memory_bandwidth_utilization is not None and 0.0 <= h.memory_bandwidth_utilization <= 1.0
@@ -234,7 +236,7 @@ def test_real_gpu_usage_readings():
                 assert rate is None or rate >= 0.0
             if not g.nvlink_peers:
                 assert h.nvlink_tx_bytes_per_s is None
-            assert GpuInfo.from_dict(g.to_dict()) == g  # a real device's figures pass the record's checks
+            assert GpuReadings.from_dict(h.to_dict()) == h  # a real device's figures pass the value's checks
     finally:
         backend.close()
 
@@ -264,6 +266,13 @@ def test_every_gpu_unreadable_is_unavailable(fake_sysfs):
 KiB = 1024
 
 
+def _read(backend):
+    """One refresh: the usage readings of each published GPU, in index order (all None: unknown)."""
+    gpus = backend.gpus()
+    readings = backend.readings()
+    return [readings.get(g.uuid, GpuReadings()) for g in gpus]
+
+
 def _backend(fake_sysfs, gpus, **kw):
     nv = FakeNvml(gpus, **kw)
     return nv, NvmlBackend(node="n", nvml=nv, sysfs_root=fake_sysfs)
@@ -273,13 +282,13 @@ def test_usage_readings(box):
     nv, backend = box
     g0 = nv.gpus[0]
     g0.util, g0.memory_used, g0.pcie_kb_s = (75, 40), 10 * 1024 * MiB, (1000, 2000)
-    h = backend.gpus()[0].health
+    h = _read(backend)[0]
     assert (h.utilization, h.memory_bandwidth_utilization) == (0.75, 0.40)
     assert h.memory_used_bytes == 10 * 1024 * MiB
     # no PCIe byte counters on this GPU: nvmlDeviceGetPcieThroughput, KB/s -> bytes/s
     assert (h.pcie_tx_bytes_per_s, h.pcie_rx_bytes_per_s) == (1000.0 * KiB, 2000.0 * KiB)
     assert (h.nvlink_tx_bytes_per_s, h.nvlink_rx_bytes_per_s) == (None, None)  # one counter reading is no rate
-    assert h.healthy
+    assert backend.gpus()[0].healthy
 
 
 def test_nvlink_rate_from_two_counter_readings(box):
@@ -288,25 +297,25 @@ def test_nvlink_rate_from_two_counter_readings(box):
     backend.gpus()
     nv.gpus[0].nvlink_kib = (1_000 + 4_096, 5_000 + 1_024)
     nv.clock_us += 2_000_000  # NVML stamps each field value; the rate is over the stamps, not the agent's clock
-    h = backend.gpus()[0].health
+    h = _read(backend)[0]
     assert (h.nvlink_tx_bytes_per_s, h.nvlink_rx_bytes_per_s) == (4_096 * KiB / 2, 1_024 * KiB / 2)
     # asked for the sum over all links (scope UINT_MAX) in the one field-values call
     tx = FakeNvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
     assert (tx, 0xFFFFFFFF) in nv.field_ids[-1]
     nv.gpus[0].nvlink_kib = (0, 0)  # counters went back (driver reload): no rate this time, not a negative one
     nv.clock_us += 2_000_000
-    h = backend.gpus()[0].health
+    h = _read(backend)[0]
     assert (h.nvlink_tx_bytes_per_s, h.nvlink_rx_bytes_per_s) == (None, None)
     nv.clock_us += 1_000_000
-    assert backend.gpus()[0].health.nvlink_tx_bytes_per_s == 0.0
+    assert _read(backend)[0].nvlink_tx_bytes_per_s == 0.0
 
 
 def test_pcie_rate_from_byte_counters_without_the_slow_call(fake_sysfs):
     nv, backend = _backend(fake_sysfs, [FakeGpu(index=0, pcie_bytes=(10_000, 20_000), pcie_kb_s=(7, 7))])
-    assert backend.gpus()[0].health.pcie_tx_bytes_per_s is None  # first reading of the counters
+    assert _read(backend)[0].pcie_tx_bytes_per_s is None  # first reading of the counters
     nv.gpus[0].pcie_bytes = (10_000 + 8_000_000, 20_000 + 2_000_000)
     nv.clock_us += 4_000_000
-    h = backend.gpus()[0].health
+    h = _read(backend)[0]
     assert (h.pcie_tx_bytes_per_s, h.pcie_rx_bytes_per_s) == (2_000_000.0, 500_000.0)
     # nvmlDeviceGetPcieThroughput samples for 20 ms per direction: never called when the counters work
     assert nv.calls.get("pcie_throughput", 0) == 0
@@ -317,7 +326,7 @@ def test_gpu_without_nvlink_reads_no_nvlink(fake_sysfs):
     nv, backend = _backend(fake_sysfs, [FakeGpu(index=0)])
     for _ in range(2):
         nv.clock_us += 1_000_000
-        h = backend.gpus()[0].health
+        h = _read(backend)[0]
     assert (h.nvlink_tx_bytes_per_s, h.nvlink_rx_bytes_per_s) == (None, None)
     assert h.pcie_tx_bytes_per_s == 0.0
     nvlink_ids = {FakeNvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, FakeNvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
@@ -331,7 +340,7 @@ def test_pynvml_without_nvlink_throughput_fields_leaves_nvlink_unknown(fake_sysf
     backend = NvmlBackend(node="n", nvml=nv, sysfs_root=fake_sysfs)
     for _ in range(2):
         nv.clock_us += 1_000_000
-        h = backend.gpus()[0].health
+        h = _read(backend)[0]
     assert h.nvlink_tx_bytes_per_s is None and h.pcie_tx_bytes_per_s == 0.0
     backend.close()
 
@@ -343,12 +352,13 @@ def test_unsupported_usage_is_unknown_and_other_errors_warn_once(fake_sysfs, cap
         for _ in range(3):
             nv.clock_us += 1_000_000
             out = backend.gpus()
+    readings = backend.readings()
     for g in out:
-        h = g.health
-        assert g.healthy, h.reasons  # an unreadable usage figure is not a health problem
+        h = readings.get(g.uuid, GpuReadings())
+        assert g.healthy, g.health.reasons  # an unreadable usage figure is not a health problem
         assert (h.utilization, h.memory_bandwidth_utilization, h.pcie_tx_bytes_per_s, h.pcie_rx_bytes_per_s) == (
             None, None, None, None)
-    assert out[0].health.memory_used_bytes == 0  # memory info still read
+    assert readings[out[0].uuid].memory_used_bytes == 0  # memory info still read
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert not [w for w in warnings if out[0].uuid in w]  # NotSupported: silently unknown
     mine = [w for w in warnings if out[1].uuid in w]
@@ -373,10 +383,11 @@ def test_mig_instances_carry_no_device_wide_usage(fake_sysfs):
     gpus[0].util, gpus[1].util = (90, 50), (30, 10)
     nv, backend = _backend(fake_sysfs, gpus)
     out = backend.gpus()
+    readings = backend.readings()
     inst = [g for g in out if g.is_mig]
     whole = [g for g in out if not g.is_mig]
     assert len(inst) == 2 and len(whole) == 1
     # NVML's figures are the whole GPU's: shown against one instance they would mislead
-    assert all(g.health.utilization is None and g.health.memory_used_bytes is None for g in inst)
-    assert whole[0].health.utilization == 0.30
+    assert not any(g.uuid in readings for g in inst) and set(readings) == {whole[0].uuid}
+    assert readings[whole[0].uuid].utilization == 0.30
     backend.close()

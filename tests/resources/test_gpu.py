@@ -1,4 +1,4 @@
-"""GpuHealth / GpuInfo records: the per-GPU usage readings round-trip, old records decode, bad values are named."""
+"""GpuReadings / GpuHealth / GpuInfo records: readings round-trip, old records decode, bad values are named."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import json
 import pytest
 
 from gpupool_sdk.errors import SchemaError, SpecError
-from gpupool_sdk.resources import GiB, GpuHealth, GpuInfo
+from gpupool_sdk.resources import GiB, GpuHealth, GpuInfo, GpuReadings
+from gpupool_sdk.resources.gpu import READING_FIELDS, device_readings
 from gpupool_sdk.store.codec import decode, encode
 
-BUSY = GpuHealth(
-    temperature_c=61.0,
-    power_w=450.0,
+BUSY = GpuReadings(
     utilization=0.87,
     memory_bandwidth_utilization=0.42,
     memory_used_bytes=71 * GiB,
@@ -21,31 +20,41 @@ BUSY = GpuHealth(
     nvlink_tx_bytes_per_s=120e9,
     nvlink_rx_bytes_per_s=118e9,
 )
+KEY = "/gpupool/v1/readings/n/GPU-1"
 
 
 def _gpu(health: GpuHealth) -> GpuInfo:
     return GpuInfo(uuid="GPU-1", node="n", index=0, model="H100-80GB", memory_bytes=80 * GiB, health=health)
 
 
-def test_usage_readings_round_trip():
-    assert GpuHealth.from_dict(BUSY.to_dict()) == BUSY
-    assert GpuInfo.from_dict(_gpu(BUSY).to_dict()) == _gpu(BUSY)
-    assert decode("k", encode(_gpu(BUSY)), GpuInfo) == _gpu(BUSY)
+def test_readings_round_trip_with_a_schema_version():
+    assert GpuReadings.from_dict(BUSY.to_dict()) == BUSY
+    raw = encode(BUSY)
+    assert json.loads(raw)["schema"] == 1 and json.loads(raw)["kind"] == "GpuReadings"
+    assert decode(KEY, raw, GpuReadings) == BUSY
 
 
-def test_unknown_readings_are_not_written_and_old_records_decode():
+def test_unknown_readings_are_not_written():
+    assert GpuReadings().to_dict() == {} and not GpuReadings().known
+    assert GpuReadings(pcie_rx_bytes_per_s=0.0).to_dict() == {"pcie_rx_bytes_per_s": 0.0}
+
+
+def test_a_gpu_record_carries_no_usage_and_an_older_agents_record_still_decodes():
     d = GpuHealth(temperature_c=40.0).to_dict()
-    # written only when known, so an idle or simulated GPU's record is what older releases wrote
     assert set(d) == {"healthy", "reasons", "temperature_c", "power_w", "ecc_double_bit", "xids"}
-    old = {"healthy": True, "reasons": [], "temperature_c": 40, "power_w": None, "ecc_double_bit": 0, "xids": []}
-    h = GpuHealth.from_dict(old)
-    assert h.utilization is None and h.pcie_tx_bytes_per_s is None and h.memory_used_bytes is None
+    # what an agent of the previous release wrote: the usage readings inside the health verdict
+    old = _gpu(GpuHealth(temperature_c=61.0, power_w=450.0)).to_dict()
+    old["health"].update(BUSY.to_dict())
+    got = decode("/gpupool/v1/gpus/n/GPU-1", encode(old, kind="GpuInfo"), GpuInfo)
+    assert got == _gpu(GpuHealth(temperature_c=61.0, power_w=450.0))  # the readings are ignored
 
 
-def test_without_usage_keeps_the_verdict_and_drops_the_readings():
-    h = BUSY.without_usage()
-    assert h == GpuHealth(temperature_c=61.0, power_w=450.0)
-    assert GpuHealth().without_usage() == GpuHealth()
+def test_device_readings_join_the_record_and_the_readings():
+    shown = device_readings(GpuHealth(temperature_c=61.0, power_w=450.0), BUSY)
+    assert list(shown) == ["temperature_c", "power_w", *READING_FIELDS]
+    assert shown["temperature_c"] == 61.0 and shown["utilization"] == 0.87
+    none = device_readings(GpuHealth(), None)
+    assert set(none) == set(shown) and not any(none.values())
 
 
 @pytest.mark.parametrize(
@@ -59,12 +68,13 @@ def test_without_usage_keeps_the_verdict_and_drops_the_readings():
     ],
 )
 def test_a_hand_edited_bad_reading_names_the_field(field, value, says):
-    d = _gpu(BUSY).to_dict()
-    d["health"][field] = value
+    d = BUSY.to_dict()
+    d[field] = value
     with pytest.raises(SpecError) as e:
-        GpuInfo.from_dict(d)
-    assert e.value.field == f"gpu.health.{field}" and says in str(e.value)
-    raw = json.loads(encode(_gpu(BUSY)))
-    raw["health"][field] = value
-    with pytest.raises(SchemaError, match=field):
-        decode("/gpupool/v1/gpus/n/GPU-1", json.dumps(raw).encode(), GpuInfo)
+        GpuReadings.from_dict(d)
+    assert e.value.field == f"readings.{field}" and says in str(e.value)
+    raw = json.loads(encode(BUSY))
+    raw[field] = value
+    with pytest.raises(SchemaError, match=field) as se:
+        decode(KEY, json.dumps(raw).encode(), GpuReadings)
+    assert KEY in str(se.value)

@@ -12,6 +12,7 @@ def test_keys_and_parse_round_trip():
     cases = [
         (ks.node("n1"), ParsedKey("nodes", ("n1",))),
         (ks.gpu("n1", "GPU-a"), ParsedKey("gpus", ("n1", "GPU-a"))),
+        (ks.readings("n1", "GPU-a"), ParsedKey("readings", ("n1", "GPU-a"))),
         (ks.job_spec("j"), ParsedKey("jobs.spec", ("j",))),
         (ks.job_status("j"), ParsedKey("jobs.status", ("j",))),
         (ks.allocation("n1", "GPU-a", "j"), ParsedKey("allocations", ("n1", "GPU-a", "j"))),
@@ -29,6 +30,8 @@ def test_keys_and_parse_round_trip():
         assert ks.parse(key) == parsed
     assert ks.parse("/other/nodes/x") is None
     assert ks.parse("/pool/v1/gpus/only-node") is None
+    assert ks.parse("/pool/v1/readings/only-node") is None
+    assert ks.readings_prefix() == "/pool/v1/readings/" and ks.readings_prefix("n1") == "/pool/v1/readings/n1/"
     assert ks.parse("/pool/v1/jobs/j/other") is None
 
 

@@ -232,3 +232,20 @@ def test_closed_store_refuses(etcd_endpoint: str) -> None:
     s.close()
     with pytest.raises(GpupoolError, match="closed"):
         s.get("/x")
+
+
+def test_get_prefix_skips_prefixes_at_one_revision(store: EtcdStore) -> None:
+    keys = store.keys
+    wanted = [keys.gpu("n", "GPU-1"), keys.node("n"), keys.result("j"), keys.usage("j")]
+    for k in wanted + [keys.readings("n", "GPU-1"), keys.readings("m", "GPU-2")]:
+        store.put(k, b"{}")
+    last = store.put(keys.term(), b"1")
+    kvs, rev = store.get_prefix(keys.root(), skip=(keys.readings_prefix(),))
+    assert [kv.key for kv in kvs] == sorted(wanted + [keys.term()]) and rev == last
+    everything, _ = store.get_prefix(keys.root())
+    assert len(everything) == len(kvs) + 2
+    # A skip outside the prefix, or two that overlap, change nothing else.
+    again, _ = store.get_prefix(keys.root(), skip=("/elsewhere/", keys.readings_prefix(), keys.readings_prefix("n")))
+    assert again == kvs
+    only, _ = store.get_prefix(keys.readings_prefix(), skip=(keys.readings_prefix("n"),))
+    assert [kv.key for kv in only] == [keys.readings("m", "GPU-2")]

@@ -146,3 +146,18 @@ def test_callback_errors_do_not_kill_the_watch(store: EtcdStore) -> None:
     wait_for(lambda: seen == [b"1", b"2"])
     w.cancel()
     assert not w.running
+
+
+def test_skipped_prefixes_are_never_delivered(store: EtcdStore) -> None:
+    got = Collector()
+    w = store.watch_prefix(store.keys.root(), got, skip=(store.keys.readings_prefix(),))
+    assert w.wait_ready(10)
+    noise = [store.put(store.keys.readings("n", f"GPU-{i}"), b"{}") for i in range(3)]
+    store.delete(store.keys.readings("n", "GPU-0"))
+    wait_for(lambda: w.next_revision is not None and w.next_revision > noise[-1] + 1, what="the skipped events to pass")
+    assert got.events == []  # the callback never ran for a batch of skipped events
+    rev = store.put(store.keys.node("n"), b"1")
+    store.put(store.keys.readings("n", "GPU-1"), b"{}")
+    wait_for(lambda: w.next_revision is not None and w.next_revision > rev + 1, what="the events to pass")
+    assert [e.kv.key for e in got.events] == [store.keys.node("n")]
+    w.cancel()

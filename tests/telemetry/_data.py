@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from gpupool_sdk.resources import Allocation, GiB, GpuHealth, GpuInfo, JobSpec, JobState, JobStatus, QoS
+from gpupool_sdk.resources import (
+    Allocation,
+    GiB,
+    GpuHealth,
+    GpuInfo,
+    GpuReadings,
+    JobSpec,
+    JobState,
+    JobStatus,
+    QoS,
+)
 from gpupool_sdk.telemetry.pricing import PriceTable
 from gpupool_sdk.telemetry.summary import SliceTelemetry, TelemetrySummary
 
@@ -17,10 +27,17 @@ READINGS = {"temperature_c": 63.0, "power_w": 455.0, "utilization": 0.91, "memor
 
 def gpu(uuid: str = "GPU-a0", node: str = "node-a", index: int = 0, model: str = "H100-80GB",
         memory_gib: int = 80, healthy: bool = True, readings: dict[str, float] | None = None) -> GpuInfo:
+    """A GPU record; of ``readings`` it keeps temperature and power (the rest: :func:`usage_readings`)."""
+    kept = {k: v for k, v in (readings or {}).items() if k in ("temperature_c", "power_w")}
     return GpuInfo(
         uuid=uuid, node=node, index=index, model=model, memory_bytes=memory_gib * GiB,
-        health=GpuHealth(healthy=healthy, reasons=() if healthy else ("xid 79",), **(readings or {})),
+        health=GpuHealth(healthy=healthy, reasons=() if healthy else ("xid 79",), **kept),
     )
+
+
+def usage_readings(readings: dict[str, float]) -> GpuReadings:
+    """The value of ``readings/{node}/{gpu}`` for ``readings`` (temperature and power are the GPU record's)."""
+    return GpuReadings(**{k: v for k, v in readings.items() if k not in ("temperature_c", "power_w")})
 
 
 def alloc(job: str, gpu_uuid: str = "GPU-a0", memory_gib: float = 20, share: float = 0.5,
@@ -74,6 +91,7 @@ def populate(store: object) -> None:
     keys = store.keys  # type: ignore[attr-defined]
     put = store.put  # type: ignore[attr-defined]
     put(keys.gpu("node-a", "GPU-a0"), gpu("GPU-a0", "node-a", 0, readings=READINGS))
+    put(keys.readings("node-a", "GPU-a0"), usage_readings(READINGS))
     put(keys.gpu("node-a", "GPU-a1"), gpu("GPU-a1", "node-a", 1, healthy=False))
     put(keys.cordon("GPU-a1"), {"by": "ops"})
     put(keys.leader(), LeaderRecord(id="coord-1", term=7, since=NOW - 3600))

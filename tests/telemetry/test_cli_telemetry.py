@@ -76,6 +76,22 @@ def test_top_shows_the_agents_device_readings(store: Any, etcd_endpoint: str, ke
         assert a1[header.index(column)] == "-", column  # unknown (a simulated GPU): a dash, not 0
 
 
+
+@pytest.mark.parametrize("garbage", [b"{oops", b'{"schema": 1, "utilization": 7}', b'{"schema": 9}'])
+def test_garbage_under_a_readings_key_is_named_and_shown_as_unknown(
+    store: Any, etcd_endpoint: str, keyspace: Keyspace, garbage: bytes
+) -> None:
+    populate(store)
+    key = keyspace.readings("node-a", "GPU-a0")
+    store.put(key, garbage)
+    res = _run(["top", "-o", "json"], etcd_endpoint, keyspace)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [e for e in doc["errors"] if e.startswith(key)], doc["errors"]
+    a0 = next(g for g in doc["gpus"] if g["gpu"] == "GPU-a0")["readings"]
+    assert a0["utilization"] is None and a0["temperature_c"] == READINGS["temperature_c"]
+    assert _run(["top", "-o", "wide"], etcd_endpoint, keyspace).exit_code == 0
+
 def test_top_table(store: Any, etcd_endpoint: str, keyspace: Keyspace, prices_file: Path) -> None:
     populate(store)
     res = _run(["top"], etcd_endpoint, keyspace, prices_file)

@@ -13,7 +13,7 @@ from gpupool_sdk.agent import NodeAgent
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator.coordinator import CycleReport
 from gpupool_sdk.inventory import simulated_backends
-from gpupool_sdk.resources import GpuHealth, JobSpec
+from gpupool_sdk.resources import GpuHealth, GpuReadings, JobSpec
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.telemetry.agent_metrics import AgentMetrics, serve_agent_metrics
 from gpupool_sdk.telemetry.coordinator_metrics import CoordinatorMetrics, reason_code
@@ -146,7 +146,7 @@ def test_agent_exports_per_gpu_usage_only_where_known(store: Any) -> None:
     try:
         agent.start()
         g0, g1 = sorted(backend.gpus(), key=lambda g: g.index)
-        backend.set_health(g1.uuid, GpuHealth(
+        backend.set_readings(g1.uuid, GpuReadings(
             utilization=0.87, memory_bandwidth_utilization=0.42, memory_used_bytes=71 << 30,
             pcie_tx_bytes_per_s=1.5e9, pcie_rx_bytes_per_s=3e9, nvlink_tx_bytes_per_s=120e9, nvlink_rx_bytes_per_s=118e9,
         ))
