@@ -1,0 +1,644 @@
+"""The docs name only what the code has: commands and flags, paths, settings, metrics, variables.
+
+"A doc that claims what the code does not do is a bug." This catches the mechanical kinds of drift
+between README.md / docs/*.md and the code: a ``gpupool`` command or flag that does not exist, a
+repository path (or ``path::test``) that is gone, a row of the scheduler's settings table whose
+field or default is not what ``SchedulerConfig`` / ``DEFAULT_SCHEDULER`` say, a ``gpupool_*``
+metric or a ``GPUPOOL_*`` variable that no code mentions, a relative link to a missing file. It
+reads code spans and fenced blocks only (prose is not parsed), needs no etcd and starts no process.
+
+A mention that is legitimately not checkable (a flag of an older version, quoted as history) goes
+into ``ALLOWED`` with its reason; keep that list short.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import re
+import shlex
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+
+from gpupool_sdk.cli.main import cli
+from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
+from gpupool_sdk.scheduler.types import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+#: (doc, problem as the test reports it) -> why the mention stays although the code does not have it.
+ALLOWED: dict[tuple[str, str], str] = {
+    ("docs/memory.md", "`gpupool` has no command 'host'"):
+        "a quoted error message (`gpupool host allocator (device 0): cannot allocate ...`), not a command",
+    ("docs/operations.md", "deploy/gp-gpupool-coordinator does not exist"):
+        "kubectl's deployment/NAME (`kubectl exec deploy/gp-gpupool-coordinator`), not a repository path",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Code:
+    """A code span, or one logical line of a fenced block (``\\`` continuations joined)."""
+
+    doc: str
+    line: int
+    text: str
+    block: bool
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+_FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
+
+
+def code_of(path: Path, doc: str | None = None) -> list[Code]:
+    """The code spans and fenced-block lines of a Markdown file, with their line numbers."""
+    doc = doc or path.relative_to(ROOT).as_posix()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out: list[Code] = []
+    prose: list[str] = []
+    fence: str | None = None
+    pending: tuple[int, str] | None = None  # a block line continued with a backslash
+    for no, line in enumerate(lines, 1):
+        m = _FENCE.match(line)
+        if fence is None and m:
+            fence = m.group(1)
+            prose.append("")
+            continue
+        if fence is not None:
+            prose.append("")
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip(fence[0] + " "):
+                fence, pending = None, None
+                continue
+            start, text = pending if pending else (no, "")
+            text += line
+            if text.endswith("\\"):
+                pending = (start, text[:-1] + " ")
+            else:
+                pending = None
+                out.append(Code(doc, start, text, True))
+            continue
+        prose.append(line)
+    # Spans never cross a blank line (a paragraph break), so an unmatched backtick stays local.
+    start = 0
+    while start < len(prose):
+        if not prose[start].strip():
+            start += 1
+            continue
+        end = start
+        while end < len(prose) and prose[end].strip():
+            end += 1
+        para = "\n".join(prose[start:end])
+        for m in _SPAN.finditer(para):
+            line = start + 1 + para.count("\n", 0, m.start())
+            out.append(Code(doc, line, m.group(2).replace("\n", " ").strip(), False))
+        start = end
+    return out
+
+
+@cache
+def all_code() -> tuple[Code, ...]:
+    return tuple(c for doc in DOCS for c in code_of(doc))
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """A mention in a doc that the code does not back."""
+
+    doc: str
+    line: int
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.doc}:{self.line}: {self.problem}"
+
+
+def report(title: str, findings: list[Finding]) -> str:
+    """The findings not allowed by ``ALLOWED``, one per line under ``title`` ("" when none)."""
+    left = [str(f) for f in findings if (f.doc, f.problem) not in ALLOWED]
+    return (title + ":\n" + "\n".join(left)) if left else ""
+
+
+# --------------------------------------------------------------------------------------------
+# 1. gpupool commands and flags
+
+
+def _plugin_commands() -> dict[str, click.Command]:
+    """``gpupool demo`` from its source file: importing the package would import Lightning."""
+    path = ROOT / "integrations" / "lightning" / "gpupool_lightning" / "demo" / "cli.py"
+    spec = importlib.util.spec_from_file_location("_doc_check_demo_cli", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return {"demo": mod.demo}
+
+
+@cache
+def _root_commands() -> dict[str, click.Command]:
+    return {**cli.commands, **_plugin_commands()}
+
+
+def _subcommands(cmd: click.Command) -> dict[str, click.Command] | None:
+    if cmd is cli:
+        return _root_commands()
+    return dict(cmd.commands) if isinstance(cmd, click.Group) else None
+
+
+def _options(cmd: click.Command) -> dict[str, click.Option]:
+    opts: dict[str, click.Option] = {}
+    for p in cmd.params:
+        if isinstance(p, click.Option):
+            for name in (*p.opts, *p.secondary_opts):
+                opts[name] = p
+    return opts
+
+
+_STOP = {"|", "||", "&&", ";", "&", ">", ">>", "<", "<<", "(", ")", "--", "2>", "2>&1"}
+_PLACEHOLDER = re.compile(r"<[^<>]*>")
+_VARIABLE = re.compile(r"""\b(\w+)=(["'])(gpupool\s[^"']*)\2""")
+
+
+def _tokens(text: str) -> list[str]:
+    text = _PLACEHOLDER.sub("PLACEHOLDER", text)
+    lex = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    try:
+        return list(lex)
+    except ValueError:  # an unbalanced quote in a span: words are enough
+        return text.split()
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _flag_names(token: str) -> list[str]:
+    """``--gpus=2`` -> ``--gpus``; ``--min-gpus/--max-gpus`` (alternatives) -> both."""
+    return [part.split("=", 1)[0] for part in re.split(r"/(?=-)", token)]
+
+
+def check_command(args: list[str]) -> list[str]:
+    """What is wrong with ``gpupool ARGS``: commands that do not exist, flags a command lacks."""
+    cmd: click.Command = cli
+    path = ["gpupool"]
+    problems: list[str] = []
+    i = 0
+    while i < len(args):
+        tok = args[i].strip("[]")
+        i += 1
+        if tok in _STOP or tok.startswith((">", "#")) or not tok:
+            break
+        if tok in ("...", "…"):
+            continue
+        if tok.startswith("-") and len(tok) > 1 and not _is_number(tok):
+            opts = _options(cmd)
+            names = _flag_names(tok)
+            for name in names:
+                if name not in opts and name not in ("-h", "--help") and not (
+                    not name.startswith("--") and name[:2] in opts  # -ojson
+                ):
+                    problems.append(f"`{' '.join(path)}` has no option {name}")
+            opt = opts.get(names[0])
+            if len(names) == 1 and opt is not None and not (opt.is_flag or opt.count) and "=" not in tok:
+                i += max(opt.nargs, 1)  # its value
+            continue
+        subs = _subcommands(cmd)
+        if subs is None:
+            continue  # an argument of a command
+        if tok in subs:
+            cmd = subs[tok]
+            path.append(tok)
+            continue
+        if re.fullmatch(r"[a-z][a-z0-9-]*", tok):
+            problems.append(f"`{' '.join(path)}` has no command {tok!r}")
+        break  # a placeholder (COMMAND, {cordon,drain}): nothing after it can be resolved
+    return problems
+
+
+def gpupool_invocations(codes: tuple[Code, ...]) -> Iterator[tuple[Code, list[str]]]:
+    """Every ``gpupool ...`` in the docs' code, with the arguments after ``gpupool``.
+
+    ``gpupool`` counts as the command when it does not follow an option (``--policy gpupool`` is
+    the simulator's policy, ``helm -n gpupool`` a namespace). A shell variable set to a gpupool
+    command line (``run="gpupool simulate ..."``) is expanded where ``$run`` starts a command.
+    """
+    variables: dict[tuple[str, str], str] = {}
+    for code in codes:
+        for m in _VARIABLE.finditer(code.text):
+            variables[(code.doc, m.group(1))] = m.group(3)
+            yield code, _tokens(m.group(3))[1:]
+        text = _VARIABLE.sub(" ", code.text)
+        for (doc, name), value in variables.items():
+            if doc == code.doc:
+                text = re.sub(rf"\${{?{name}\b}}?", value, text)
+        toks = _tokens(text)
+        for j, tok in enumerate(toks):
+            if tok == "gpupool" and (j == 0 or not toks[j - 1].startswith("-")):
+                yield code, toks[j + 1 :]
+
+
+def command_findings() -> list[Finding]:
+    return [Finding(c.doc, c.line, p) for c, args in gpupool_invocations(all_code()) for p in check_command(args)]
+
+
+def test_gpupool_commands_and_flags_in_docs_exist() -> None:
+    assert not (msg := report("docs name gpupool commands or flags that do not exist", command_findings())), msg
+
+
+_ARGS = re.compile(r"""(?:add_argument|\.option)\(\s*((?:["'][^"']*["']\s*,\s*)+)""")
+
+#: Flags of other tools that the docs name bare (in a code span of their own): tool -> flags.
+EXTERNAL_FLAGS = {"sbatch (Slurm)": {"--requeue", "--signal"}, "torchrun": {"--standalone"}}
+
+
+def declared_flags(source: str) -> set[str]:
+    """The flags an argparse or click program declares (``add_argument("--x", "-x", ...)``)."""
+    return {f for m in _ARGS.finditer(source) for f in re.findall(r"""["'](--?[A-Za-z][\w-]*)["']""", m.group(1))}
+
+
+def _script(args: list[str]) -> tuple[Path, list[str]] | None:
+    """The repository script ``python [-m mod | path.py] ARGS`` runs, and its arguments."""
+    if not args:
+        return None
+    if args[0] == "-m" and len(args) > 1:
+        mod = ROOT / args[1].replace(".", "/")
+        path = mod.with_suffix(".py") if mod.with_suffix(".py").exists() else mod / "__main__.py"
+        rest = args[2:]
+    else:
+        path, rest = ROOT / args[0].removeprefix("./"), args[1:]
+    return (path, rest) if path.suffix == ".py" and path.is_file() and ROOT in path.resolve().parents else None
+
+
+def script_problems(code: Code) -> list[str]:
+    """Flags a ``python benchmarks/x.py --flag`` line names that the script does not declare."""
+    toks = _tokens(code.text)
+    problems = []
+    for j, tok in enumerate(toks):
+        if not re.search(r"(^|/)python[0-9.]*$", tok):
+            continue
+        found = _script(toks[j + 1 :])
+        if found is None:
+            continue
+        path, rest = found
+        flags = declared_flags(path.read_text(encoding="utf-8"))
+        if not flags:
+            continue  # parses its arguments some other way
+        for arg in rest:
+            arg = arg.strip("[]")
+            if arg in _STOP:
+                break
+            if not arg.startswith("-") or _is_number(arg):
+                continue
+            for name in _flag_names(arg):
+                if name not in flags | {"-h", "--help"}:
+                    problems.append(f"{path.relative_to(ROOT)} has no option {name}")
+    return problems
+
+
+def script_findings() -> list[Finding]:
+    return [Finding(c.doc, c.line, p) for c in all_code() for p in script_problems(c)]
+
+
+def test_script_flags_in_docs_exist() -> None:
+    assert not (msg := report("docs run repository scripts with flags they do not have", script_findings())), msg
+
+
+@cache
+def known_flags() -> frozenset[str]:
+    """Every flag of every ``gpupool`` command, repository script, and the few other tools named."""
+    flags: set[str] = set()
+
+    def walk(cmd: click.Command) -> None:
+        flags.update(_options(cmd))
+        for sub in (_subcommands(cmd) or {}).values():
+            walk(sub)
+
+    walk(cli)
+    for top in ("gpupool_sdk", "benchmarks", "scripts", "examples", "integrations", "deploy", "docs"):
+        for path in (ROOT / top).rglob("*.py"):
+            flags |= declared_flags(path.read_text(encoding="utf-8"))
+    return frozenset(flags.union(*EXTERNAL_FLAGS.values(), {"--help"}))
+
+
+def bare_flag_findings() -> list[Finding]:
+    """A span that is only flags (`--las-no-preempt`) names a flag some program here has."""
+    findings = []
+    for code in all_code():
+        if code.block or not code.text.startswith("--"):
+            continue
+        for name in (n for tok in _tokens(code.text) for n in _flag_names(tok)):
+            if not re.fullmatch(r"--[a-z][a-z0-9-]*\*?", name):
+                continue
+            ok = any(f.startswith(name[:-1]) for f in known_flags()) if name.endswith("*") else name in known_flags()
+            if not ok:
+                findings.append(Finding(code.doc, code.line, f"{name} is a flag of no command or script"))
+    return findings
+
+
+def test_bare_flags_in_docs_exist_somewhere() -> None:
+    assert not (msg := report("docs name flags that nothing here has", bare_flag_findings())), msg
+
+
+# --------------------------------------------------------------------------------------------
+# 2. repository paths
+
+
+_TOP = ("tests", "benchmarks", "scripts", "gpupool_sdk", "integrations", "docs", "deploy", "examples")
+_PATH = re.compile(
+    r"(?<![\w./~$-])((?:" + "|".join(_TOP) + r")/[\w.*/{}-]*[\w*/}])(::[\w\[\]-]+)?"
+)
+
+
+def repository_paths(code: Code) -> Iterator[tuple[str, str | None]]:
+    for m in _PATH.finditer(code.text):
+        yield m.group(1), (m.group(2) or "")[2:] or None
+
+
+def path_problem(path: str, test: str | None) -> str | None:
+    if "{" in path:  # a template (docs/img/{name}.png)
+        return None
+    matches = sorted(ROOT.glob(path.rstrip("/"))) if "*" in path else [ROOT / path]
+    if not any(p.exists() for p in matches):
+        return f"{path} does not exist"
+    if test is not None:
+        name = re.split(r"[\[]", test)[0]
+        source = matches[0].read_text(encoding="utf-8")
+        if not re.search(rf"^\s*(async\s+)?(def|class)\s+{re.escape(name)}\b", source, re.M):
+            return f"{path} has no {name}"
+    return None
+
+
+def path_findings() -> list[Finding]:
+    return [Finding(c.doc, c.line, p) for c in all_code() for path, test in repository_paths(c)
+            if (p := path_problem(path, test))]
+
+
+def test_repository_paths_in_docs_exist() -> None:
+    assert not (msg := report("docs name repository paths that do not exist", path_findings())), msg
+
+
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _doc_lines() -> Iterator[tuple[str, int, str]]:
+    for doc in DOCS:
+        for no, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            yield doc.relative_to(ROOT).as_posix(), no, line
+
+
+def link_findings() -> list[Finding]:
+    findings = []
+    for doc, no, line in _doc_lines():
+        for m in _LINK.finditer(line):
+            target = (m.group(1) or m.group(2)).split("#", 1)[0]
+            if not target or re.match(r"[a-z]+:", target):
+                continue  # an anchor in the page, or a URL
+            if not (ROOT / doc).parent.joinpath(target).exists():
+                findings.append(Finding(doc, no, f"link to {target}: no such file"))
+    return findings
+
+
+def test_relative_links_in_docs_resolve() -> None:
+    assert not (msg := report("docs link to files that do not exist", link_findings())), msg
+
+
+# --------------------------------------------------------------------------------------------
+# 3. the scheduler's settings table
+
+
+def settings_table() -> list[tuple[int, str, str]]:
+    """(line, field, default cell) of each row under docs/scheduler.md's *Settings* heading."""
+    lines = (ROOT / "docs" / "scheduler.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("## Settings (`SchedulerConfig`)")
+    rows = []
+    for no in range(start + 1, len(lines)):
+        line = lines[no]
+        if line.startswith("#"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 2 and re.fullmatch(r"`\w+`", cells[0]):
+            rows.append((no + 1, cells[0].strip("`"), cells[1]))
+    return rows
+
+
+def _literal(text: str) -> Any:
+    text = text.strip().strip("`").strip()
+    for candidate in (text, text.split(" (", 1)[0].strip("` ")):  # 268435456 (256 MiB)
+        try:
+            return ast.literal_eval(candidate)
+        except (ValueError, SyntaxError):
+            pass
+    return text  # not a Python literal: it matches no default
+
+
+def _same(doc: Any, code: Any) -> bool:
+    if isinstance(code, bool) or isinstance(doc, bool):
+        return type(doc) is type(code) and doc == code
+    if isinstance(code, tuple):
+        return isinstance(doc, tuple) and len(doc) == len(code) and all(_same(a, b) for a, b in zip(doc, code, strict=True))
+    return bool(doc == code)
+
+
+def default_cell_problems(field: str, cell: str) -> list[str]:
+    """``X`` is both defaults; ``X (**Y**)``: X is SchedulerConfig's, Y DEFAULT_SCHEDULER's."""
+    own = getattr(SchedulerConfig(), field)
+    pool = getattr(DEFAULT_SCHEDULER, field)
+    m = re.fullmatch(r"(.*?)\s*\(\*\*(.+)\*\*\)", cell)
+    said_own = _literal(m.group(1) if m else cell)
+    said_pool = _literal(m.group(2)) if m else said_own
+    problems = []
+    if not _same(said_own, own):
+        problems.append(f"`{field}`: SchedulerConfig's default is {own!r}, the table says {said_own!r}")
+    if not _same(said_pool, pool):
+        problems.append(f"`{field}`: DEFAULT_SCHEDULER has {pool!r}, the table says {said_pool!r}"
+                        + ("" if m else " (mark it: own default (**pool's**))"))
+    elif m and _same(said_own, said_pool):
+        problems.append(f"`{field}`: the pool's policy does not differ here, drop the bold")
+    return problems
+
+
+def settings_findings() -> list[Finding]:
+    doc = "docs/scheduler.md"
+    rows = settings_table()
+    names = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    findings = []
+    for no, field, cell in rows:
+        if field not in names:
+            findings.append(Finding(doc, no, f"`{field}` is not a SchedulerConfig field"))
+            continue
+        findings += [Finding(doc, no, p) for p in default_cell_problems(field, cell)]
+    documented = [field for _, field, _ in rows]
+    end = rows[-1][0] if rows else 0
+    findings += [Finding(doc, end, f"SchedulerConfig.{n} has no row") for n in sorted(names - set(documented))]
+    findings += [Finding(doc, end, f"`{n}` has two rows") for n in sorted({n for n in documented if documented.count(n) > 1})]
+    return findings
+
+
+def test_scheduler_settings_table_matches_the_config() -> None:
+    assert len(settings_table()) > 20  # the table was found
+    assert not (msg := report("docs/scheduler.md's Settings table is not what the code has", settings_findings())), msg
+
+
+# --------------------------------------------------------------------------------------------
+# 4. metric names and environment variables
+
+
+@cache
+def _source_words(tests: bool = False) -> frozenset[str]:
+    """The ``gpupool_*`` and ``GPUPOOL_*`` words of the repository's code and deployment files."""
+    return frozenset(re.findall(r"\b(?:gpupool|GPUPOOL)_\w+", _source_text(tests)))
+
+
+def _source_text(tests: bool) -> str:
+    """The repository's code and deployment files (with the tests': what they read counts too)."""
+    tops = ("gpupool_sdk", "integrations", "scripts", "deploy", "benchmarks", "examples") + (("tests",) if tests else ())
+    suffixes = {".py", ".sh", ".yaml", ".yml", ".json", ".toml", ".env", ".service", ".c", ""}
+    files = [p for top in tops for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in suffixes]
+    files += [ROOT / "conftest.py", ROOT / "pyproject.toml"] if tests else []
+    here = Path(__file__).resolve().parent  # this module's made-up names must not count
+    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files
+                     if here not in p.resolve().parents and (tests or "tests" not in p.relative_to(ROOT).parts))
+
+
+_METRIC = re.compile(r"\bgpupool_[a-z0-9_]+")
+_ENV = re.compile(r"\bGPUPOOL_[A-Z0-9_]*[A-Z0-9_*]")
+_MODULES = re.compile(r"gpupool_(sdk|torch|lightning)\b")
+
+
+def _known(name: str, words: frozenset[str]) -> bool:
+    if name.endswith("_"):  # a family: gpupool_job_*, GPUPOOL_ETCD_*
+        return any(w.startswith(name) for w in words)
+    return name in words
+
+
+def metric_known(name: str) -> bool:
+    """In the code as it is, or without the suffix the client library adds (a counter's ``_total``)."""
+    base = re.sub(r"_(total|bucket|sum|count|created)$", "", name)
+    return _known(name, _source_words()) or _known(base, _source_words())
+
+
+def metric_findings() -> list[Finding]:
+    return [Finding(c.doc, c.line, f"{m.group(0)} is in no code") for c in all_code() for m in _METRIC.finditer(c.text)
+            if not _MODULES.match(m.group(0)) and not metric_known(m.group(0))]
+
+
+def test_metric_names_in_docs_exist_in_code() -> None:
+    assert not (msg := report("docs name gpupool_* metrics that no code has", metric_findings())), msg
+
+
+def exporter_metrics() -> set[str]:
+    """The metric names the exporters in gpupool_sdk/telemetry declare (their string literals)."""
+    names: set[str] = set()
+    for path in (ROOT / "gpupool_sdk" / "telemetry").glob("*.py"):
+        names.update(re.findall(r"""["'](gpupool_[a-z0-9_]+)["']""", path.read_text(encoding="utf-8")))
+    return names
+
+
+def test_every_exporter_metric_is_in_docs_metrics() -> None:
+    """docs/metrics.md lists "every metric with its type and labels" (a counter as ``NAME_total``)."""
+    doc = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    names = exporter_metrics()
+    assert len(names) > 40, names  # the scan found the exporters
+    missing = sorted(n for n in names if not re.search(rf"`{n}(_total)?`", doc))
+    assert not missing, f"metrics the exporters serve that docs/metrics.md does not list: {missing}"
+
+
+def env_findings() -> list[Finding]:
+    """``GPUPOOL_*`` anywhere in the docs (prose too); ``GPUPOOL_ETCD_*`` is a family."""
+    findings = []
+    for doc, no, line in _doc_lines():
+        for m in _ENV.finditer(line):
+            name = m.group(0).rstrip("*")
+            if not _known(name, _source_words(tests=True)):
+                findings.append(Finding(doc, no, f"{name} is read by no code"))
+    return findings
+
+
+def test_environment_variables_in_docs_exist_in_code() -> None:
+    assert not (msg := report("docs name GPUPOOL_* variables that no code reads", env_findings())), msg
+
+
+def test_every_allowed_mention_is_still_in_the_docs() -> None:
+    """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
+    found = {(f.doc, f.problem) for check in (command_findings, script_findings, bare_flag_findings, path_findings,
+                                                link_findings, settings_findings, metric_findings, env_findings)
+             for f in check()}
+    assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
+
+
+# --------------------------------------------------------------------------------------------
+# The checks can fail (each on a made-up mention).
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("gpupool simulate --trace t.csv --no-such-flag", "`gpupool simulate` has no option --no-such-flag"),
+        ("gpupool job frobnicate x", "`gpupool job` has no command 'frobnicate'"),
+        ("gpupool frobnicate", "`gpupool` has no command 'frobnicate'"),
+        ("gpupool demo --simulat x", "`gpupool demo` has no option --simulat"),
+    ],
+)
+def test_check_command_finds_made_up_commands_and_flags(text: str, problem: str) -> None:
+    assert check_command(_tokens(text)[1:]) == [problem]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "gpupool simulate --policy gpupool -o json --set use_remaining=false --las=3600,36000",
+        "gpupool run --gpus 1 -- python train.py --epochs 3",
+        "gpupool job describe <job> -ojson | jq .",
+        "gpupool metrics serve --port 9400 --help",
+        "gpupool COMMAND --whatever",
+    ],
+)
+def test_check_command_accepts_real_lines(text: str) -> None:
+    assert check_command(_tokens(text)[1:]) == []
+
+
+def test_variables_and_option_values_are_understood(tmp_path: Path) -> None:
+    codes = (
+        Code("x.md", 1, 'run="gpupool simulate --trace t.csv -o json"', True),
+        Code("x.md", 2, "$run --policy gpupool --bogus", True),
+        Code("x.md", 3, "helm install gp deploy/helm/gpupool -n gpupool --create-namespace", True),
+    )
+    found = [(c.line, check_command(a)) for c, a in gpupool_invocations(codes)]
+    assert found == [(1, []), (2, ["`gpupool simulate` has no option --bogus"])]
+
+
+def test_path_and_table_checks_can_fail() -> None:
+    assert path_problem("tests/docs/no_such_test.py", None) == "tests/docs/no_such_test.py does not exist"
+    assert path_problem("tests/docs/test_doc_references.py", "test_no_such_thing") is not None
+    assert path_problem("tests/docs/test_doc_references.py", "test_path_and_table_checks_can_fail") is None
+    assert default_cell_problems("overcommit_ratio", "1.0 (**1.5**)") == []
+    assert default_cell_problems("overcommit_ratio", "1.0") != []
+    assert default_cell_problems("peak_margin", "0.2") != []
+    assert not metric_known("gpupool_no_such_metric_total")
+
+
+def test_code_of_reads_spans_and_blocks(tmp_path: Path) -> None:
+    doc = tmp_path / "a.md"
+    doc.write_text("text `one` and ``t`wo``\nspan `across\nlines` here\n\n```sh\ngpupool run \\\n  --gpus 1\n"
+                   "echo `x`\n```\nan odd ` backtick\n\nthen `three`\n")
+    assert [(c.line, c.text, c.block) for c in code_of(doc, "a.md")] == [
+        (6, "gpupool run    --gpus 1", True),
+        (8, "echo `x`", True),
+        (1, "one", False),
+        (1, "t`wo", False),
+        (2, "across lines", False),
+        (12, "three", False),
+    ]
