@@ -39,6 +39,8 @@ ALLOWED: dict[tuple[str, str], str] = {
         "a quoted error message (`gpupool host allocator (device 0): cannot allocate ...`), not a command",
     ("docs/operations.md", "deploy/gp-gpupool-coordinator does not exist"):
         "kubectl's deployment/NAME (`kubectl exec deploy/gp-gpupool-coordinator`), not a repository path",
+    ("README.md", "gpupool_sdk.integrations does not exist"):
+        "the 0.x import break: the old module names, quoted as history",
 }
 
 
@@ -122,10 +124,11 @@ class Finding:
         return f"{self.doc}:{self.line}: {self.problem}"
 
 
-def report(title: str, findings: list[Finding]) -> str:
-    """The findings not allowed by ``ALLOWED``, one per line under ``title`` ("" when none)."""
+def expect_none(title: str, findings: list[Finding]) -> None:
+    """Fail with the findings ``ALLOWED`` does not excuse, one per line under ``title``."""
     left = [str(f) for f in findings if (f.doc, f.problem) not in ALLOWED]
-    return (title + ":\n" + "\n".join(left)) if left else ""
+    if left:
+        pytest.fail(f"{title} (fix the doc, or the code):\n" + "\n".join(left), pytrace=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,7 +258,7 @@ def command_findings() -> list[Finding]:
 
 
 def test_gpupool_commands_and_flags_in_docs_exist() -> None:
-    assert not (msg := report("docs name gpupool commands or flags that do not exist", command_findings())), msg
+    expect_none("docs name gpupool commands or flags that do not exist", command_findings())
 
 
 _ARGS = re.compile(r"""(?:add_argument|\.option)\(\s*((?:["'][^"']*["']\s*,\s*)+)""")
@@ -313,7 +316,7 @@ def script_findings() -> list[Finding]:
 
 
 def test_script_flags_in_docs_exist() -> None:
-    assert not (msg := report("docs run repository scripts with flags they do not have", script_findings())), msg
+    expect_none("docs run repository scripts with flags they do not have", script_findings())
 
 
 @cache
@@ -349,7 +352,7 @@ def bare_flag_findings() -> list[Finding]:
 
 
 def test_bare_flags_in_docs_exist_somewhere() -> None:
-    assert not (msg := report("docs name flags that nothing here has", bare_flag_findings())), msg
+    expect_none("docs name flags that nothing here has", bare_flag_findings())
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,7 +390,52 @@ def path_findings() -> list[Finding]:
 
 
 def test_repository_paths_in_docs_exist() -> None:
-    assert not (msg := report("docs name repository paths that do not exist", path_findings())), msg
+    expect_none("docs name repository paths that do not exist", path_findings())
+
+
+_PACKAGES = {
+    "gpupool_sdk": ROOT / "gpupool_sdk",
+    "gpupool_torch": ROOT / "integrations" / "torch" / "gpupool_torch",
+    "gpupool_lightning": ROOT / "integrations" / "lightning" / "gpupool_lightning",
+}
+_DOTTED = re.compile(r"\b(gpupool_(?:sdk|torch|lightning)(?:\.[A-Za-z_]\w*)+)")
+
+
+def _defines(source: str, name: str) -> bool:
+    """A module's source defines, assigns, imports or exports (``__all__``, lazy table) ``name``."""
+    n = re.escape(name)
+    return re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{n}\b|^\s*(?:self\.)?{n}\s*[:=]|\bimport\b[^\n]*\b{n}\b"
+                     rf"|^\s+{n},?\s*$|[\"']{n}[\"']", source, re.M) is not None
+
+
+def dotted_problem(dotted: str) -> str | None:
+    """``gpupool_sdk.memory.empty_cache``: the modules exist, and the module has the name (and the
+    class its attribute, one level down); read from the files, nothing imported."""
+    parts = dotted.split(".")
+    here = _PACKAGES[parts[0]]
+    module = here / "__init__.py"
+    for i, part in enumerate(parts[1:], 1):
+        if here.is_dir() and (here / part / "__init__.py").exists():
+            here = here / part
+            module = here / "__init__.py"
+        elif here.is_dir() and (here / f"{part}.py").exists():
+            here = module = here / f"{part}.py"
+        else:
+            source = module.read_text(encoding="utf-8")
+            for attr in parts[i : i + 2]:
+                if not _defines(source, attr):
+                    return f"{'.'.join(parts[: parts.index(attr, i) + 1])} does not exist"
+            return None
+    return None
+
+
+def dotted_findings() -> list[Finding]:
+    return [Finding(c.doc, c.line, p) for c in all_code() for m in _DOTTED.finditer(c.text)
+            if (p := dotted_problem(m.group(1)))]
+
+
+def test_module_names_in_docs_exist() -> None:
+    expect_none("docs name modules or attributes that do not exist", dotted_findings())
 
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
@@ -412,7 +460,7 @@ def link_findings() -> list[Finding]:
 
 
 def test_relative_links_in_docs_resolve() -> None:
-    assert not (msg := report("docs link to files that do not exist", link_findings())), msg
+    expect_none("docs link to files that do not exist", link_findings())
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,7 +537,7 @@ def settings_findings() -> list[Finding]:
 
 def test_scheduler_settings_table_matches_the_config() -> None:
     assert len(settings_table()) > 20  # the table was found
-    assert not (msg := report("docs/scheduler.md's Settings table is not what the code has", settings_findings())), msg
+    expect_none("docs/scheduler.md's Settings table is not what the code has", settings_findings())
 
 
 # --------------------------------------------------------------------------------------------
@@ -536,7 +584,7 @@ def metric_findings() -> list[Finding]:
 
 
 def test_metric_names_in_docs_exist_in_code() -> None:
-    assert not (msg := report("docs name gpupool_* metrics that no code has", metric_findings())), msg
+    expect_none("docs name gpupool_* metrics that no code has", metric_findings())
 
 
 def exporter_metrics() -> set[str]:
@@ -568,13 +616,13 @@ def env_findings() -> list[Finding]:
 
 
 def test_environment_variables_in_docs_exist_in_code() -> None:
-    assert not (msg := report("docs name GPUPOOL_* variables that no code reads", env_findings())), msg
+    expect_none("docs name GPUPOOL_* variables that no code reads", env_findings())
 
 
 def test_every_allowed_mention_is_still_in_the_docs() -> None:
     """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
     found = {(f.doc, f.problem) for check in (command_findings, script_findings, bare_flag_findings, path_findings,
-                                                link_findings, settings_findings, metric_findings, env_findings)
+                                                dotted_findings, link_findings, settings_findings, metric_findings, env_findings)
              for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
 
@@ -628,6 +676,11 @@ def test_path_and_table_checks_can_fail() -> None:
     assert default_cell_problems("overcommit_ratio", "1.0") != []
     assert default_cell_problems("peak_margin", "0.2") != []
     assert not metric_known("gpupool_no_such_metric_total")
+    assert metric_known("gpupool_scheduler_grants_total")  # a counter's _total comes from the client library
+    assert dotted_problem("gpupool_sdk.memory.empty_cache") == "gpupool_sdk.memory.empty_cache does not exist"
+    assert dotted_problem("gpupool_torch.memory.empty_cache") is None
+    assert dotted_problem("gpupool_sdk.scheduler.policy.Scheduler.no_such_method") is not None
+    assert dotted_problem("gpupool_sdk.scheduler.policy.Scheduler.schedule") is None
 
 
 def test_code_of_reads_spans_and_blocks(tmp_path: Path) -> None:
