@@ -27,7 +27,8 @@ import click
 import pytest
 
 from gpupool_sdk.cli.main import cli
-from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER
+from gpupool_sdk.errors import GpupoolError
+from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER, load_policy_config
 from gpupool_sdk.scheduler.types import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -429,9 +430,18 @@ def dotted_problem(dotted: str) -> str | None:
     return None
 
 
+_IMPORT = re.compile(r"^\s*from\s+(gpupool_(?:sdk|torch|lightning)[\w.]*)\s+import\s+([\w\s,]+?)\s*(?:#.*)?$")
+
+
+def dotted_names(code: Code) -> Iterator[str]:
+    """``gpupool_*.x.y`` in the text, and ``module.name`` for each name of ``from gpupool_* import ...``."""
+    yield from (m.group(1) for m in _DOTTED.finditer(code.text))
+    if (m := _IMPORT.match(code.text)) is not None:
+        yield from (f"{m.group(1)}.{name.strip()}" for name in m.group(2).split(",") if name.strip())
+
+
 def dotted_findings() -> list[Finding]:
-    return [Finding(c.doc, c.line, p) for c in all_code() for m in _DOTTED.finditer(c.text)
-            if (p := dotted_problem(m.group(1)))]
+    return [Finding(c.doc, c.line, p) for c in all_code() for name in dotted_names(c) if (p := dotted_problem(name))]
 
 
 def test_module_names_in_docs_exist() -> None:
@@ -540,6 +550,55 @@ def test_scheduler_settings_table_matches_the_config() -> None:
     expect_none("docs/scheduler.md's Settings table is not what the code has", settings_findings())
 
 
+_SET = re.compile(r"--set[ =]([a-z_]\w*)=")  # FIELD=VALUE is the placeholder
+
+
+def set_findings() -> list[Finding]:
+    """``--set FIELD=VALUE`` names a SchedulerConfig field."""
+    names = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    return [Finding(c.doc, c.line, f"--set {m.group(1)}: not a SchedulerConfig field")
+            for c in all_code() for m in _SET.finditer(c.text) if m.group(1) not in names]
+
+
+def test_set_flags_in_docs_name_scheduler_fields() -> None:
+    expect_none("docs set scheduler fields that do not exist", set_findings())
+
+
+def fenced_blocks(path: Path) -> Iterator[tuple[int, str, str]]:
+    """(first line, info string, text) of each fenced block of a Markdown file."""
+    fence, info, start, body = None, "", 0, []
+    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        m = _FENCE.match(line)
+        if fence is None and m:
+            fence, info, start, body = m.group(1), line.strip()[len(m.group(1)):].strip(), no + 1, []
+        elif fence is not None and m and m.group(1)[0] == fence[0] and not line.strip(fence[0] + " "):
+            yield start, info, "\n".join(body)
+            fence = None
+        elif fence is not None:
+            body.append(line)
+
+
+def policy_file_findings(tmp: Path) -> list[Finding]:
+    """A policy file the docs show (a block with a ``[scheduler]`` or ``[prices]`` table) loads."""
+    findings = []
+    for doc in DOCS:
+        for line, _info, text in fenced_blocks(doc):
+            if not re.search(r"^\[(scheduler|prices)\]", text, re.M):
+                continue
+            path = tmp / "policy.toml"
+            path.write_text(text, encoding="utf-8")
+            try:
+                load_policy_config(path)
+            except GpupoolError as exc:
+                findings.append(Finding(doc.relative_to(ROOT).as_posix(), line, f"the policy file does not load: {exc}"))
+    return findings
+
+
+def test_policy_files_in_docs_load(tmp_path: Path) -> None:
+    assert any(re.search(r"^\[scheduler\]", t, re.M) for _, _, t in fenced_blocks(ROOT / "docs" / "scheduler.md"))
+    expect_none("docs show policy files that do not load", policy_file_findings(tmp_path))
+
+
 # --------------------------------------------------------------------------------------------
 # 4. metric names and environment variables
 
@@ -622,7 +681,8 @@ def test_environment_variables_in_docs_exist_in_code() -> None:
 def test_every_allowed_mention_is_still_in_the_docs() -> None:
     """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
     found = {(f.doc, f.problem) for check in (command_findings, script_findings, bare_flag_findings, path_findings,
-                                                dotted_findings, link_findings, settings_findings, metric_findings, env_findings)
+                                                dotted_findings, link_findings, settings_findings, set_findings, metric_findings,
+                                                env_findings)
              for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
 
@@ -681,6 +741,9 @@ def test_path_and_table_checks_can_fail() -> None:
     assert dotted_problem("gpupool_torch.memory.empty_cache") is None
     assert dotted_problem("gpupool_sdk.scheduler.policy.Scheduler.no_such_method") is not None
     assert dotted_problem("gpupool_sdk.scheduler.policy.Scheduler.schedule") is None
+    imports = Code("x.md", 1, "from gpupool_torch.memory import empty_cache, no_such_name  # comment", True)
+    assert [dotted_problem(n) for n in dotted_names(imports)] == [
+        None, None, "gpupool_torch.memory.no_such_name does not exist"]
 
 
 def test_code_of_reads_spans_and_blocks(tmp_path: Path) -> None:
