@@ -448,6 +448,94 @@ def test_module_names_in_docs_exist() -> None:
     expect_none("docs name modules or attributes that do not exist", dotted_findings())
 
 
+@dataclasses.dataclass
+class Signature:
+    """The keyword names a public function or class of the packages takes."""
+
+    names: set[str]
+    open: bool  # takes **kwargs (and forwards them somewhere this test does not follow)
+    bases: list[str]
+
+
+#: Adapters whose ``**options`` go to ``RuntimeOptions.from_kwargs``: its fields and JobSpec's.
+FORWARDED = {"GpuPoolCallback": ("RuntimeOptions", "JobSpec"), "PoolSession": ("RuntimeOptions", "JobSpec")}
+
+
+def _signature(fn: ast.FunctionDef | ast.AsyncFunctionDef, bases: list[str] | None = None) -> Signature:
+    a = fn.args
+    names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)} - {"self", "cls"}
+    return Signature(names, a.kwarg is not None, bases or [])
+
+
+@cache
+def signatures() -> dict[str, list[Signature]]:
+    """Public top-level functions and classes of the three packages, read with ``ast`` (no import)."""
+    index: dict[str, list[Signature]] = {}
+    for package in _PACKAGES.values():
+        for path in package.rglob("*.py"):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                    continue
+                if not isinstance(node, ast.ClassDef):
+                    index.setdefault(node.name, []).append(_signature(node))
+                    continue
+                init = next((b for b in node.body if isinstance(b, ast.FunctionDef) and b.name == "__init__"), None)
+                bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+                if init is not None:
+                    sig = _signature(init)
+                elif any("dataclass" in ast.unparse(d) for d in node.decorator_list) or "NamedTuple" in bases:
+                    fields = {b.target.id for b in node.body if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)}
+                    sig = Signature(fields, False, bases)
+                else:
+                    sig = Signature(set(), True, [])  # a constructor this test does not guess
+                index.setdefault(node.name, []).append(sig)
+    return index
+
+
+def _accepts(name: str, keyword: str, seen: frozenset[str] = frozenset()) -> bool:
+    if any(_accepts(target, keyword, seen | {name}) for target in FORWARDED.get(name, ()) if target not in seen):
+        return True
+    for sig in signatures().get(name, []):
+        if keyword in sig.names or (sig.open and name not in FORWARDED):
+            return True
+        if any(b not in seen and b in signatures() and _accepts(b, keyword, seen | {name}) for b in sig.bases):
+            return True
+    return False
+
+
+def _calls(text: str) -> Iterator[tuple[str, list[str]]]:
+    """(callee's last name, keyword names) of each call in a snippet; a regex where it is not Python."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:  # `PoolClient(node=)`, `JobSpec(gpus=N*k, ...)`
+        for m in re.finditer(r"\b(\w+)\(([^()]*)\)", text):
+            yield m.group(1), re.findall(r"(?:^|,)\s*(\w+)\s*=(?!=)", m.group(2))
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            callee = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            yield callee, [k.arg for k in node.keywords if k.arg is not None]
+
+
+def keyword_findings() -> list[Finding]:
+    """``GpuPoolCallback(gpus=1, qos=...)`` in an example: the callable has those parameters."""
+    snippets = [(c.doc, c.line, c.text) for c in all_code() if not c.block]
+    snippets += [(doc.relative_to(ROOT).as_posix(), line, text) for doc in DOCS
+                 for line, info, text in fenced_blocks(doc) if info in ("python", "py")]
+    findings = []
+    for doc, line, text in snippets:
+        for callee, keywords in _calls(text):
+            if callee not in signatures():
+                continue
+            findings += [Finding(doc, line, f"{callee}() has no parameter {k}") for k in keywords if not _accepts(callee, k)]
+    return findings
+
+
+def test_keyword_arguments_in_docs_exist() -> None:
+    assert len(signatures()) > 100  # the packages were read
+    expect_none("docs pass keyword arguments that the code does not take", keyword_findings())
+
+
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -681,7 +769,7 @@ def test_environment_variables_in_docs_exist_in_code() -> None:
 def test_every_allowed_mention_is_still_in_the_docs() -> None:
     """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
     found = {(f.doc, f.problem) for check in (command_findings, script_findings, bare_flag_findings, path_findings,
-                                                dotted_findings, link_findings, settings_findings, set_findings, metric_findings,
+                                                dotted_findings, keyword_findings, link_findings, settings_findings, set_findings, metric_findings,
                                                 env_findings)
              for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
@@ -741,6 +829,9 @@ def test_path_and_table_checks_can_fail() -> None:
     assert dotted_problem("gpupool_torch.memory.empty_cache") is None
     assert dotted_problem("gpupool_sdk.scheduler.policy.Scheduler.no_such_method") is not None
     assert dotted_problem("gpupool_sdk.scheduler.policy.Scheduler.schedule") is None
+    assert _accepts("GpuPoolCallback", "checkpoint_dir") and _accepts("GpuPoolCallback", "gpus")
+    assert not _accepts("GpuPoolCallback", "checkpoint_directory")
+    assert not _accepts("SchedulerConfig", "overcommit")
     imports = Code("x.md", 1, "from gpupool_torch.memory import empty_cache, no_such_name  # comment", True)
     assert [dotted_problem(n) for n in dotted_names(imports)] == [
         None, None, "gpupool_torch.memory.no_such_name does not exist"]
