@@ -394,6 +394,30 @@ def test_repository_paths_in_docs_exist() -> None:
     expect_none("docs name repository paths that do not exist", path_findings())
 
 
+#: Scripts the docs name that are the user's, not the repository's.
+USER_FILES = {"train.py"}
+
+
+@cache
+def _file_names() -> frozenset[str]:
+    return frozenset(p.name for top in _TOP for p in (ROOT / top).rglob("*.py") if ".venv" not in p.parts)
+
+
+def bare_file_findings() -> list[Finding]:
+    """A module named by its file name alone (`ledger.py`) is a file somewhere in the repository."""
+    findings = []
+    for code in all_code():
+        for m in re.finditer(r"(?<![\w./-])(\w+\.py)\b", code.text):
+            if m.group(1) not in _file_names() and m.group(1) not in USER_FILES:
+                findings.append(Finding(code.doc, code.line, f"no file is named {m.group(1)}"))
+    return findings
+
+
+def test_file_names_in_docs_exist() -> None:
+    assert "ledger.py" in _file_names()
+    expect_none("docs name files that no longer exist", bare_file_findings())
+
+
 _PACKAGES = {
     "gpupool_sdk": ROOT / "gpupool_sdk",
     "gpupool_torch": ROOT / "integrations" / "torch" / "gpupool_torch",
@@ -768,10 +792,10 @@ def test_environment_variables_in_docs_exist_in_code() -> None:
 
 def test_every_allowed_mention_is_still_in_the_docs() -> None:
     """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
-    found = {(f.doc, f.problem) for check in (command_findings, script_findings, bare_flag_findings, path_findings,
-                                                dotted_findings, keyword_findings, link_findings, settings_findings, set_findings, metric_findings,
-                                                env_findings)
-             for f in check()}
+    checks = (command_findings, script_findings, bare_flag_findings, path_findings, bare_file_findings,
+              dotted_findings, keyword_findings, link_findings, settings_findings, set_findings, metric_findings,
+              env_findings)
+    found = {(f.doc, f.problem) for check in checks for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
 
 
