@@ -1,14 +1,22 @@
-"""The docs name only what the code has: commands and flags, paths, settings, metrics, variables.
+"""The docs name only what the code has: commands, flags, paths, names, settings, metrics, variables.
 
 "A doc that claims what the code does not do is a bug." This catches the mechanical kinds of drift
-between README.md / docs/*.md and the code: a ``gpupool`` command or flag that does not exist, a
-repository path (or ``path::test``) that is gone, a row of the scheduler's settings table whose
-field or default is not what ``SchedulerConfig`` / ``DEFAULT_SCHEDULER`` say, a ``gpupool_*``
-metric or a ``GPUPOOL_*`` variable that no code mentions, a relative link to a missing file. It
-reads code spans and fenced blocks only (prose is not parsed), needs no etcd and starts no process.
+between README.md, docs/*.md, integrations/*/README.md and the code, reading their code spans and
+fenced blocks (``GPUPOOL_*`` variables and links: every line):
 
-A mention that is legitimately not checkable (a flag of an older version, quoted as history) goes
-into ``ALLOWED`` with its reason; keep that list short.
+* ``gpupool [command [sub]] --flag``: the command exists and has the flag (the click tree itself;
+  ``gpupool demo`` from its file, without importing Lightning); ``python benchmarks/x.py --flag``:
+  the script declares the flag; a span of bare flags (`--las-no-preempt`): some command has it;
+* repository paths (``tests/...py::test_name`` included), bare file names (`ledger.py`), relative
+  links, ``gpupool_*`` module and attribute names, names imported in examples, keyword arguments
+  of the package's functions and classes in examples (read with ``ast``);
+* docs/scheduler.md's *Settings* table against ``SchedulerConfig`` and ``DEFAULT_SCHEDULER`` (every
+  field, both defaults), ``--set FIELD=`` names, and the policy files the docs show (they load);
+* ``gpupool_*`` metric names (in some code; and every metric the exporters declare is in
+  docs/metrics.md) and ``GPUPOOL_*`` environment variables (read by some code).
+
+No etcd, no process. A mention that is legitimately not checkable (an old name quoted as history)
+goes into ``ALLOWED`` with its reason; keep that list short.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER, load_policy_config
 from gpupool_sdk.scheduler.types import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "integrations").glob("*/README.md"))]
 
 #: (doc, problem as the test reports it) -> why the mention stays although the code does not have it.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -92,20 +100,34 @@ def code_of(path: Path, doc: str | None = None) -> list[Code]:
             continue
         prose.append(line)
     # Spans never cross a blank line (a paragraph break), so an unmatched backtick stays local.
-    start = 0
-    while start < len(prose):
-        if not prose[start].strip():
-            start += 1
+    first = 0
+    while first < len(prose):
+        if not prose[first].strip():
+            first += 1
             continue
-        end = start
+        end = first
         while end < len(prose) and prose[end].strip():
             end += 1
-        para = "\n".join(prose[start:end])
+        para = "\n".join(prose[first:end])
         for m in _SPAN.finditer(para):
-            line = start + 1 + para.count("\n", 0, m.start())
-            out.append(Code(doc, line, m.group(2).replace("\n", " ").strip(), False))
-        start = end
+            out.append(Code(doc, first + 1 + para.count("\n", 0, m.start()), m.group(2).replace("\n", " ").strip(), False))
+        first = end
     return out
+
+
+def fenced_blocks(path: Path) -> Iterator[tuple[int, str, str]]:
+    """(first line, info string, text) of each fenced block of a Markdown file."""
+    fence: str | None = None
+    info, start, body = "", 0, list[str]()
+    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        m = _FENCE.match(line)
+        if fence is None and m:
+            fence, info, start, body = m.group(1), line.strip()[len(m.group(1)):].strip(), no + 1, []
+        elif fence is not None and m and m.group(1)[0] == fence[0] and not line.strip(fence[0] + " "):
+            yield start, info, "\n".join(body)
+            fence = None
+        elif fence is not None:
+            body.append(line)
 
 
 @cache
@@ -485,10 +507,10 @@ class Signature:
 FORWARDED = {"GpuPoolCallback": ("RuntimeOptions", "JobSpec"), "PoolSession": ("RuntimeOptions", "JobSpec")}
 
 
-def _signature(fn: ast.FunctionDef | ast.AsyncFunctionDef, bases: list[str] | None = None) -> Signature:
+def _signature(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Signature:
     a = fn.args
     names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)} - {"self", "cls"}
-    return Signature(names, a.kwarg is not None, bases or [])
+    return Signature(names, a.kwarg is not None, [])
 
 
 @cache
@@ -674,20 +696,6 @@ def set_findings() -> list[Finding]:
 
 def test_set_flags_in_docs_name_scheduler_fields() -> None:
     expect_none("docs set scheduler fields that do not exist", set_findings())
-
-
-def fenced_blocks(path: Path) -> Iterator[tuple[int, str, str]]:
-    """(first line, info string, text) of each fenced block of a Markdown file."""
-    fence, info, start, body = None, "", 0, []
-    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        m = _FENCE.match(line)
-        if fence is None and m:
-            fence, info, start, body = m.group(1), line.strip()[len(m.group(1)):].strip(), no + 1, []
-        elif fence is not None and m and m.group(1)[0] == fence[0] and not line.strip(fence[0] + " "):
-            yield start, info, "\n".join(body)
-            fence = None
-        elif fence is not None:
-            body.append(line)
 
 
 def policy_file_findings(tmp: Path) -> list[Finding]:
