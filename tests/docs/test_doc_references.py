@@ -582,6 +582,37 @@ def test_keyword_arguments_in_docs_exist() -> None:
     expect_none("docs pass keyword arguments that the code does not take", keyword_findings())
 
 
+_SECTION_REF = re.compile(r"\bsections? (\d+[a-z]?)((?:(?:, | and | or |-|–)\d+[a-z]?\b)*)")
+
+
+def simulation_sections() -> set[str]:
+    """docs/simulation.md's numbered sections: ``### 5. ...`` headings and ``**5a. ...`` paragraphs."""
+    text = (ROOT / "docs" / "simulation.md").read_text(encoding="utf-8")
+    return set(re.findall(r"^(?:#+ |\*\*)(\d+[a-z]?)[.,]", text, re.M))
+
+
+def section_findings() -> list[Finding]:
+    """"section 5a" (docs and code: only docs/simulation.md numbers its sections) names one that exists."""
+    sections = simulation_sections()
+    files = [*DOCS, *(p for top in ("gpupool_sdk", "integrations", "benchmarks", "scripts", "tests", "examples")
+                      for p in (ROOT / top).rglob("*.py") if Path(__file__).resolve() != p.resolve())]
+    findings = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for m in _SECTION_REF.finditer(text):
+            for ref in re.findall(r"\d+[a-z]?", m.group(0)):
+                if ref not in sections:
+                    line = text.count("\n", 0, m.start()) + 1
+                    findings.append(Finding(path.relative_to(ROOT).as_posix(), line,
+                                            f"docs/simulation.md has no section {ref}"))
+    return findings
+
+
+def test_simulation_section_numbers_exist() -> None:
+    assert {"1", "5", "5a", "8"} <= simulation_sections()
+    expect_none("docs or code refer to sections of docs/simulation.md that do not exist", section_findings())
+
+
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -801,7 +832,7 @@ def test_environment_variables_in_docs_exist_in_code() -> None:
 def test_every_allowed_mention_is_still_in_the_docs() -> None:
     """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
     checks = (command_findings, script_findings, bare_flag_findings, path_findings, bare_file_findings,
-              dotted_findings, keyword_findings, link_findings, settings_findings, set_findings, metric_findings,
+              dotted_findings, keyword_findings, section_findings, link_findings, settings_findings, set_findings, metric_findings,
               env_findings)
     found = {(f.doc, f.problem) for check in checks for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
