@@ -613,6 +613,32 @@ def test_simulation_section_numbers_exist() -> None:
     expect_none("docs or code refer to sections of docs/simulation.md that do not exist", section_findings())
 
 
+_HEADING_REF = re.compile(r"docs/(\w+\.md)`{0,2}\)?,? +\*([^*\n]+)\*")
+
+
+def heading_findings() -> list[Finding]:
+    """``docs/scheduler.md`` *Performance* (docs and code) names a heading of that page."""
+    files = [*DOCS, *(p for top in ("gpupool_sdk", "integrations", "benchmarks", "scripts", "tests", "examples")
+                      for p in (ROOT / top).rglob("*.py") if Path(__file__).resolve() != p.resolve())]
+    findings = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for m in _HEADING_REF.finditer(text):
+            page = ROOT / "docs" / m.group(1)
+            if not page.exists():
+                continue  # the path check reports it
+            headings = [h.lstrip("#").strip().lower() for h in page.read_text(encoding="utf-8").splitlines()
+                        if h.startswith("#")]
+            if not any(m.group(2).lower() in h for h in headings):
+                findings.append(Finding(path.relative_to(ROOT).as_posix(), text.count("\n", 0, m.start()) + 1,
+                                        f"docs/{m.group(1)} has no heading *{m.group(2)}*"))
+    return findings
+
+
+def test_named_sections_of_docs_exist() -> None:
+    expect_none("docs or code refer to headings that do not exist", heading_findings())
+
+
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -832,8 +858,8 @@ def test_environment_variables_in_docs_exist_in_code() -> None:
 def test_every_allowed_mention_is_still_in_the_docs() -> None:
     """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
     checks = (command_findings, script_findings, bare_flag_findings, path_findings, bare_file_findings,
-              dotted_findings, keyword_findings, section_findings, link_findings, settings_findings, set_findings, metric_findings,
-              env_findings)
+              dotted_findings, keyword_findings, section_findings, heading_findings, link_findings,
+              settings_findings, set_findings, metric_findings, env_findings)
     found = {(f.doc, f.problem) for check in checks for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
 
