@@ -38,6 +38,7 @@ from gpupool_sdk.cli.main import cli
 from gpupool_sdk.errors import GpupoolError
 from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER, load_policy_config
 from gpupool_sdk.scheduler.types import SchedulerConfig
+from gpupool_sdk.store.keyspace import Keyspace
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "integrations").glob("*/README.md"))]
@@ -664,6 +665,29 @@ def test_relative_links_in_docs_resolve() -> None:
     expect_none("docs link to files that do not exist", link_findings())
 
 
+_KEY_HEADS = ("nodes", "gpus", "cordons", "drains", "jobs", "allocations", "directives", "acks", "telemetry",
+              "checkpoints", "usage", "results", "timeslice", "leader", "term", "autoscale", "prices")
+_KEY = re.compile(r"(?<![\w./-])(?:/gpupool/v1/|\{prefix\}/)?(?:" + "|".join(_KEY_HEADS) + r")(?:/[\w{}.:*-]*)+")
+
+
+def key_problem(key: str) -> str | None:
+    """``jobs/{job}/spec``, ``{prefix}/prices``, ``/gpupool/v1/jobs/bert/spec``: a key the keyspace has."""
+    rel = re.sub(r"^(?:/gpupool/v1|\{prefix\})/", "", key)
+    rel = re.sub(r"\{[^}]*\}|\*", "x", rel)
+    if rel.endswith("/") or "..." in rel:  # a prefix, or elided
+        return None
+    return None if Keyspace().parse("/gpupool/v1/" + rel) is not None else f"{key} is no key of the keyspace"
+
+
+def key_findings() -> list[Finding]:
+    return [Finding(c.doc, c.line, p) for c in all_code() for m in _KEY.finditer(c.text) if (p := key_problem(m.group(0)))]
+
+
+def test_etcd_keys_in_docs_exist() -> None:
+    assert key_problem("jobs/{job}/spec") is None and key_problem("jobs/{job}/spek") is not None
+    expect_none("docs name etcd keys that gpupool_sdk/store/keyspace.py does not build", key_findings())
+
+
 # --------------------------------------------------------------------------------------------
 # 3. the scheduler's settings table
 
@@ -858,7 +882,7 @@ def test_environment_variables_in_docs_exist_in_code() -> None:
 def test_every_allowed_mention_is_still_in_the_docs() -> None:
     """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
     checks = (command_findings, script_findings, bare_flag_findings, path_findings, bare_file_findings,
-              dotted_findings, keyword_findings, section_findings, heading_findings, link_findings,
+              dotted_findings, keyword_findings, section_findings, heading_findings, link_findings, key_findings,
               settings_findings, set_findings, metric_findings, env_findings)
     found = {(f.doc, f.problem) for check in checks for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
