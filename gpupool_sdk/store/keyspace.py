@@ -22,6 +22,8 @@ Layout under the prefix (default ``/gpupool/v1``)::
     timeslice/{node}/{gpu_uuid}/turn      time-slicing keeper of the holding job, on its own lease
     timeslice/{node}/{gpu_uuid}/members/{job}  time-slicing keeper of each gated job, on its own lease
     autoscale                             leader, no lease (desired node count per GPU type)
+    prices                                leader, no lease (the price table usage is charged with; once per term)
+    results/{job}                         gpupool run, on a retention lease of its own (how the job's last run ended)
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import inspect
 import re
 import shlex
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from typing import Any
 import click
 import pytest
 
+import gpupool_sdk.store.keyspace as keyspace_module
 from gpupool_sdk.cli.main import cli
 from gpupool_sdk.errors import GpupoolError
 from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER, load_policy_config
@@ -686,6 +688,29 @@ def key_findings() -> list[Finding]:
 def test_etcd_keys_in_docs_exist() -> None:
     assert key_problem("jobs/{job}/spec") is None and key_problem("jobs/{job}/spek") is not None
     expect_none("docs name etcd keys that gpupool_sdk/store/keyspace.py does not build", key_findings())
+
+
+def keyspace_keys() -> set[str]:
+    """Every key shape ``Keyspace`` builds (``jobs/{}/spec``), from its builder methods."""
+    ks = Keyspace()
+    shapes = set()
+    for name, method in inspect.getmembers(ks, inspect.ismethod):
+        if name.startswith("_") or name.endswith("_prefix") or name in ("root", "parse", "from_env"):
+            continue
+        params = list(inspect.signature(method).parameters)
+        key = method(*(f"ARG{i}" for i in range(len(params))))
+        shapes.add(re.sub(r"ARG\d+", "{}", key[len(ks.prefix) + 1 :]))
+    return shapes
+
+
+def test_keyspace_docstring_lists_every_key() -> None:
+    """docs/architecture.md sends readers to keyspace.py's docstring for the layout: it is complete."""
+    doc = keyspace_module.__doc__ or ""
+    layout = doc.split("::", 1)[1].split("\n\n")[1] if "::" in doc else ""
+    listed = {re.sub(r"\{[^}]*\}", "{}", line.split()[0]) for line in layout.splitlines() if line.strip()}
+    assert len(keyspace_keys()) > 15
+    assert not (missing := sorted(keyspace_keys() - listed)), f"keys not in keyspace.py's layout: {missing}"
+    assert not (gone := sorted(listed - keyspace_keys())), f"keyspace.py's layout lists keys it does not build: {gone}"
 
 
 # --------------------------------------------------------------------------------------------
