@@ -13,7 +13,10 @@ fenced blocks (``GPUPOOL_*`` variables and links: every line):
 * docs/scheduler.md's *Settings* table against ``SchedulerConfig`` and ``DEFAULT_SCHEDULER`` (every
   field, both defaults), ``--set FIELD=`` names, and the policy files the docs show (they load);
 * ``gpupool_*`` metric names (in some code; and every metric the exporters declare is in
-  docs/metrics.md) and ``GPUPOOL_*`` environment variables (read by some code).
+  docs/metrics.md) and ``GPUPOOL_*`` environment variables (read by some code);
+* etcd keys (``jobs/{job}/spec``: ``Keyspace.parse`` knows the shape; keyspace.py's layout lists
+  every key it builds), "section 5a" (docs/simulation.md has it) and ``docs/x.md`` *Heading*
+  references, in the docs and in the code's comments.
 
 No etcd, no process. A mention that is legitimately not checkable (an old name quoted as history)
 goes into ``ALLOWED`` with its reason; keep that list short.
