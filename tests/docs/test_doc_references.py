@@ -670,9 +670,24 @@ def test_relative_links_in_docs_resolve() -> None:
     expect_none("docs link to files that do not exist", link_findings())
 
 
-_KEY_HEADS = ("nodes", "gpus", "cordons", "drains", "jobs", "allocations", "directives", "acks", "telemetry",
-              "checkpoints", "usage", "results", "timeslice", "leader", "term", "autoscale", "prices")
-_KEY = re.compile(r"(?<![\w./-])(?:/gpupool/v1/|\{prefix\}/)?(?:" + "|".join(_KEY_HEADS) + r")(?:/[\w{}.:*-]*)+")
+@cache
+def keyspace_keys() -> set[str]:
+    """Every key shape ``Keyspace`` builds (``jobs/{}/spec``), from its builder methods."""
+    ks = Keyspace()
+    shapes = set()
+    for name, method in inspect.getmembers(ks, inspect.ismethod):
+        if name.startswith("_") or name.endswith("_prefix") or name in ("root", "parse", "from_env"):
+            continue
+        params = list(inspect.signature(method).parameters)
+        key = method(*(f"ARG{i}" for i in range(len(params))))
+        shapes.add(re.sub(r"ARG\d+", "{}", key[len(ks.prefix) + 1 :]))
+    return shapes
+
+
+@cache
+def _key_pattern() -> re.Pattern[str]:
+    heads = sorted({key.split("/", 1)[0] for key in keyspace_keys()})
+    return re.compile(r"(?<![\w./-])(?:/gpupool/v1/|\{prefix\}/)?(?:" + "|".join(heads) + r")(?:/[\w{}.:*-]*)+")
 
 
 def key_problem(key: str) -> str | None:
@@ -685,25 +700,13 @@ def key_problem(key: str) -> str | None:
 
 
 def key_findings() -> list[Finding]:
-    return [Finding(c.doc, c.line, p) for c in all_code() for m in _KEY.finditer(c.text) if (p := key_problem(m.group(0)))]
+    return [Finding(c.doc, c.line, p) for c in all_code() for m in _key_pattern().finditer(c.text)
+            if (p := key_problem(m.group(0)))]
 
 
 def test_etcd_keys_in_docs_exist() -> None:
     assert key_problem("jobs/{job}/spec") is None and key_problem("jobs/{job}/spek") is not None
     expect_none("docs name etcd keys that gpupool_sdk/store/keyspace.py does not build", key_findings())
-
-
-def keyspace_keys() -> set[str]:
-    """Every key shape ``Keyspace`` builds (``jobs/{}/spec``), from its builder methods."""
-    ks = Keyspace()
-    shapes = set()
-    for name, method in inspect.getmembers(ks, inspect.ismethod):
-        if name.startswith("_") or name.endswith("_prefix") or name in ("root", "parse", "from_env"):
-            continue
-        params = list(inspect.signature(method).parameters)
-        key = method(*(f"ARG{i}" for i in range(len(params))))
-        shapes.add(re.sub(r"ARG\d+", "{}", key[len(ks.prefix) + 1 :]))
-    return shapes
 
 
 def test_keyspace_docstring_lists_every_key() -> None:
