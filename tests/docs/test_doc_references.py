@@ -39,8 +39,10 @@ import click
 import pytest
 
 import gpupool_sdk.store.keyspace as keyspace_module
+from gpupool_sdk.cli import common
 from gpupool_sdk.cli.main import cli
 from gpupool_sdk.errors import GpupoolError
+from gpupool_sdk.runtime.env import EX_TEMPFAIL
 from gpupool_sdk.scheduler.config import DEFAULT_SCHEDULER, load_policy_config
 from gpupool_sdk.scheduler.types import SchedulerConfig
 from gpupool_sdk.store.keyspace import Keyspace
@@ -917,6 +919,20 @@ def test_every_allowed_mention_is_still_in_the_docs() -> None:
               settings_findings, set_findings, metric_findings, env_findings)
     found = {(f.doc, f.problem) for check in checks for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
+
+
+def test_exit_code_table_matches_the_cli() -> None:
+    """docs/operations.md's *Exit codes* table: each code is one the CLI uses, and each EXIT_* is there."""
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    table = text.split("### Exit codes", 1)[1].split("\n\n")[1]
+    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
+    constants = {v for k, v in vars(common).items() if k.startswith("EXIT_")}
+    main = (ROOT / "gpupool_sdk" / "cli" / "main.py").read_text(encoding="utf-8")
+    literal = {int(m) for m in re.findall(r"sys\.exit\((\d+)\)", main)}  # 130 for Ctrl-C
+    assert constants and EX_TEMPFAIL == 75
+    assert not (missing := sorted(constants - documented)), f"exit codes of the CLI not in the table: {missing}"
+    unknown = sorted(documented - constants - literal - {EX_TEMPFAIL})
+    assert not unknown, f"exit codes in docs/operations.md that no code uses: {unknown}"
 
 
 # --------------------------------------------------------------------------------------------
