@@ -387,7 +387,7 @@ def test_bare_flags_in_docs_exist_somewhere() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 2. repository paths
+# 2. repository paths and Python names
 
 
 _TOP = ("tests", "benchmarks", "scripts", "gpupool_sdk", "integrations", "docs", "deploy", "examples")
@@ -590,6 +590,17 @@ def test_keyword_arguments_in_docs_exist() -> None:
     expect_none("docs pass keyword arguments that the code does not take", keyword_findings())
 
 
+# --------------------------------------------------------------------------------------------
+# 3. references to sections, links, etcd keys
+
+
+def _docs_and_code() -> list[Path]:
+    """The docs and every Python file of the repository but this one (its examples are made up)."""
+    here = Path(__file__).resolve()
+    return [*DOCS, *(p for top in ("gpupool_sdk", "integrations", "benchmarks", "scripts", "tests", "examples")
+                     for p in (ROOT / top).rglob("*.py") if p.resolve() != here)]
+
+
 _SECTION_REF = re.compile(r"\bsections? (\d+[a-z]?)((?:(?:, | and | or |-|–)\d+[a-z]?\b)*)")
 
 
@@ -602,10 +613,8 @@ def simulation_sections() -> set[str]:
 def section_findings() -> list[Finding]:
     """"section 5a" (docs and code: only docs/simulation.md numbers its sections) names one that exists."""
     sections = simulation_sections()
-    files = [*DOCS, *(p for top in ("gpupool_sdk", "integrations", "benchmarks", "scripts", "tests", "examples")
-                      for p in (ROOT / top).rglob("*.py") if Path(__file__).resolve() != p.resolve())]
     findings = []
-    for path in files:
+    for path in _docs_and_code():
         text = path.read_text(encoding="utf-8")
         for m in _SECTION_REF.finditer(text):
             for ref in re.findall(r"\d+[a-z]?", m.group(0)):
@@ -626,10 +635,8 @@ _HEADING_REF = re.compile(r"docs/(\w+\.md)`{0,2}\)?,? +\*([^*\n]+)\*")
 
 def heading_findings() -> list[Finding]:
     """``docs/scheduler.md`` *Performance* (docs and code) names a heading of that page."""
-    files = [*DOCS, *(p for top in ("gpupool_sdk", "integrations", "benchmarks", "scripts", "tests", "examples")
-                      for p in (ROOT / top).rglob("*.py") if Path(__file__).resolve() != p.resolve())]
     findings = []
-    for path in files:
+    for path in _docs_and_code():
         text = path.read_text(encoding="utf-8")
         for m in _HEADING_REF.finditer(text):
             page = ROOT / "docs" / m.group(1)
@@ -722,7 +729,7 @@ def test_keyspace_docstring_lists_every_key() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 3. the scheduler's settings table
+# 4. the scheduler's settings table, policy files, exit codes
 
 
 def settings_table() -> list[tuple[int, str, str]]:
@@ -833,8 +840,22 @@ def test_policy_files_in_docs_load(tmp_path: Path) -> None:
     expect_none("docs show policy files that do not load", policy_file_findings(tmp_path))
 
 
+def test_exit_code_table_matches_the_cli() -> None:
+    """docs/operations.md's *Exit codes* table: each code is one the CLI uses, and each EXIT_* is there."""
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    table = text.split("### Exit codes", 1)[1].split("\n\n")[1]
+    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
+    constants = {v for k, v in vars(common).items() if k.startswith("EXIT_")}
+    main = (ROOT / "gpupool_sdk" / "cli" / "main.py").read_text(encoding="utf-8")
+    literal = {int(m) for m in re.findall(r"sys\.exit\((\d+)\)", main)}  # 130 for Ctrl-C
+    assert constants and EX_TEMPFAIL == 75
+    assert not (missing := sorted(constants - documented)), f"exit codes of the CLI not in the table: {missing}"
+    unknown = sorted(documented - constants - literal - {EX_TEMPFAIL})
+    assert not unknown, f"exit codes in docs/operations.md that no code uses: {unknown}"
+
+
 # --------------------------------------------------------------------------------------------
-# 4. metric names and environment variables
+# 5. metric names and environment variables
 
 
 @cache
@@ -919,20 +940,6 @@ def test_every_allowed_mention_is_still_in_the_docs() -> None:
               settings_findings, set_findings, metric_findings, env_findings)
     found = {(f.doc, f.problem) for check in checks for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
-
-
-def test_exit_code_table_matches_the_cli() -> None:
-    """docs/operations.md's *Exit codes* table: each code is one the CLI uses, and each EXIT_* is there."""
-    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
-    table = text.split("### Exit codes", 1)[1].split("\n\n")[1]
-    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
-    constants = {v for k, v in vars(common).items() if k.startswith("EXIT_")}
-    main = (ROOT / "gpupool_sdk" / "cli" / "main.py").read_text(encoding="utf-8")
-    literal = {int(m) for m in re.findall(r"sys\.exit\((\d+)\)", main)}  # 130 for Ctrl-C
-    assert constants and EX_TEMPFAIL == 75
-    assert not (missing := sorted(constants - documented)), f"exit codes of the CLI not in the table: {missing}"
-    unknown = sorted(documented - constants - literal - {EX_TEMPFAIL})
-    assert not unknown, f"exit codes in docs/operations.md that no code uses: {unknown}"
 
 
 # --------------------------------------------------------------------------------------------
