@@ -7,11 +7,13 @@ fenced blocks (``GPUPOOL_*`` variables and links: every line):
 * ``gpupool [command [sub]] --flag``: the command exists and has the flag (the click tree itself;
   ``gpupool demo`` from its file, without importing Lightning); ``python benchmarks/x.py --flag``:
   the script declares the flag; a span of bare flags (`--las-no-preempt`): some command has it;
+  "`--checkpoint-s`, default 10 s": some command with the flag has that default;
 * repository paths (``tests/...py::test_name`` included), bare file names (`ledger.py`), relative
   links, ``gpupool_*`` module and attribute names, names imported in examples, keyword arguments
   of the package's functions and classes in examples (read with ``ast``);
 * docs/scheduler.md's *Settings* table against ``SchedulerConfig`` and ``DEFAULT_SCHEDULER`` (every
-  field, both defaults), ``--set FIELD=`` names, and the policy files the docs show (they load);
+  field, both defaults), ``--set FIELD=`` names, the policy files the docs show (they load), and
+  docs/operations.md's exit codes;
 * ``gpupool_*`` metric names (in some code; and every metric the exporters declare is in
   docs/metrics.md) and ``GPUPOOL_*`` environment variables (read by some code);
 * etcd keys (``jobs/{job}/spec``: ``Keyspace.parse`` knows the shape; keyspace.py's layout lists
@@ -384,6 +386,46 @@ def bare_flag_findings() -> list[Finding]:
 
 def test_bare_flags_in_docs_exist_somewhere() -> None:
     expect_none("docs name flags that nothing here has", bare_flag_findings())
+
+
+_FLAG_DEFAULT = re.compile(r"`(--[a-z][a-z0-9-]*)(?: [A-Z_]+)?`,? \(?default:? (-?\d+(?:,\d{3})*(?:\.\d+)?)")
+
+
+@cache
+def _all_options() -> dict[str, list[click.Option]]:
+    found: dict[str, list[click.Option]] = {}
+
+    def walk(cmd: click.Command) -> None:
+        for name, opt in _options(cmd).items():
+            found.setdefault(name, []).append(opt)
+        for sub in (_subcommands(cmd) or {}).values():
+            walk(sub)
+
+    walk(cli)
+    return found
+
+
+def flag_default_problems(line: str) -> list[str]:
+    """"`--checkpoint-s`, default 10 s": a command with that flag has that default (or its help says it)."""
+    problems = []
+    for m in _FLAG_DEFAULT.finditer(line):
+        flag, said = m.group(1), float(m.group(2).replace(",", ""))
+        opts = _all_options().get(flag)
+        if not opts:
+            continue  # the flag checks report it
+        if not any((isinstance(o.default, (int, float)) and not isinstance(o.default, bool) and o.default == said)
+                   or re.search(rf"\b{re.escape(m.group(2))}\b", o.help or "") for o in opts):
+            defaults = ", ".join(sorted({str(o.default) for o in opts}))
+            problems.append(f"{flag}: the docs say default {m.group(2)}, the CLI has {defaults}")
+    return problems
+
+
+def flag_default_findings() -> list[Finding]:
+    return [Finding(doc, no, p) for doc, no, line in _doc_lines() for p in flag_default_problems(line)]
+
+
+def test_flag_defaults_in_docs_are_the_clis() -> None:
+    expect_none("docs state flag defaults the CLI does not have", flag_default_findings())
 
 
 # --------------------------------------------------------------------------------------------
@@ -937,7 +979,7 @@ def test_every_allowed_mention_is_still_in_the_docs() -> None:
     """An ``ALLOWED`` entry whose mention is gone (or now checks out) goes too."""
     checks = (command_findings, script_findings, bare_flag_findings, path_findings, bare_file_findings,
               dotted_findings, keyword_findings, section_findings, heading_findings, link_findings, key_findings,
-              settings_findings, set_findings, metric_findings, env_findings)
+              settings_findings, set_findings, metric_findings, env_findings, flag_default_findings)
     found = {(f.doc, f.problem) for check in checks for f in check()}
     assert not (stale := sorted(set(ALLOWED) - found)), f"ALLOWED entries that match nothing: {stale}"
 
@@ -957,6 +999,13 @@ def test_every_allowed_mention_is_still_in_the_docs() -> None:
 )
 def test_check_command_finds_made_up_commands_and_flags(text: str, problem: str) -> None:
     assert check_command(_tokens(text)[1:]) == [problem]
+
+
+def test_flag_default_check_can_fail() -> None:
+    assert flag_default_problems("with `--checkpoint-s`, default 10 s: from") == []
+    assert flag_default_problems("`--timeout` (default 5 s)") == []  # gpupool top's, among others
+    assert flag_default_problems("with `--checkpoint-s`, default 15 s") == [
+        "--checkpoint-s: the docs say default 15, the CLI has 10.0"]
 
 
 @pytest.mark.parametrize(
