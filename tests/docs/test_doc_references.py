@@ -813,15 +813,19 @@ def default_cell_problems(field: str, cell: str) -> list[str]:
     pool = getattr(DEFAULT_SCHEDULER, field)
     m = re.fullmatch(r"(.*?)\s*\(\*\*(.+)\*\*\)", cell)
     said_own = _literal(m.group(1) if m else cell)
-    said_pool = _literal(m.group(2)) if m else said_own
+    if m is None:
+        if not _same(own, pool):
+            return [f"`{field}`: SchedulerConfig's default is {own!r}, DEFAULT_SCHEDULER's {pool!r}: "
+                    f"write `{own!r} (**{pool!r}**)`, the table says {cell}"]
+        return [] if _same(said_own, own) else [f"`{field}`: the default is {own!r}, the table says {said_own!r}"]
+    said_pool = _literal(m.group(2))
     problems = []
     if not _same(said_own, own):
         problems.append(f"`{field}`: SchedulerConfig's default is {own!r}, the table says {said_own!r}")
     if not _same(said_pool, pool):
-        problems.append(f"`{field}`: DEFAULT_SCHEDULER has {pool!r}, the table says {said_pool!r}"
-                        + ("" if m else " (mark it: own default (**pool's**))"))
-    elif m and _same(said_own, said_pool):
-        problems.append(f"`{field}`: the pool's policy does not differ here, drop the bold")
+        problems.append(f"`{field}`: DEFAULT_SCHEDULER has {pool!r}, the table says {said_pool!r} in bold")
+    if _same(own, pool):
+        problems.append(f"`{field}`: the pool's policy does not change it ({pool!r}), drop the bold")
     return problems
 
 
@@ -1038,7 +1042,9 @@ def test_path_and_table_checks_can_fail() -> None:
     assert path_problem("tests/docs/test_doc_references.py", "test_path_and_table_checks_can_fail") is None
     assert default_cell_problems("overcommit_ratio", "1.0 (**1.5**)") == []
     assert default_cell_problems("overcommit_ratio", "1.0") != []
-    assert default_cell_problems("peak_margin", "0.2") != []
+    assert default_cell_problems("peak_margin", "0.2") == ["`peak_margin`: the default is 0.1, the table says 0.2"]
+    assert default_cell_problems("peak_margin", "0.1 (**0.2**)") != []
+    assert default_cell_problems("las_threshold_gpu_s", "`()` (**`(1800, 18000, 180000)`**)") == []
     assert not metric_known("gpupool_no_such_metric_total")
     assert metric_known("gpupool_scheduler_grants_total")  # a counter's _total comes from the client library
     assert dotted_problem("gpupool_sdk.memory.empty_cache") == "gpupool_sdk.memory.empty_cache does not exist"
