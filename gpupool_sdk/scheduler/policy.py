@@ -812,7 +812,8 @@ class Scheduler:
         directive in flight, or pending again), so that nobody else is placed there, as a
         reservation. A hold is dropped when it lapses (``migrate_hold_s``), when its job is gone or
         runs (granted anywhere: it holds allocations without a preemption in flight), when its
-        GPU is gone or unschedulable, and when the room no longer fits it (someone else holds it).
+        GPU is gone or unschedulable, and when the room no longer fits it (someone else was
+        granted it, e.g. by a leader that did not know the hold).
         The first lapse bounds ``valid_until``."""
         ledger = cyc.ledger
         jobs = cyc.snapshot.jobs
@@ -828,7 +829,6 @@ class Scheduler:
                 or not (moving or waiting)
                 or i is None
                 or ledger.class_of(i) is None
-                or ledger.blocked.get(i, name) != name
                 or not fits(ledger.loads[i], hold.req, ledger.ratio)
             ):
                 del self._holds[name]
@@ -840,14 +840,14 @@ class Scheduler:
 
     def _held_room(self, cyc: _Cycle, req: SliceRequest) -> list[int] | None:
         """The landing room held for moved job ``req.job``, when it still takes ``req`` there (it
-        is then granted it); else None and the hold is dropped (it is placed like any job), but
-        while another job's reservation covers that GPU this cycle, where the room stays held."""
+        is then granted it); else None and the hold is dropped (it is placed like any job).
+
+        The room is its own even on a GPU held for another job this cycle (a reservation, a
+        preemption's or a migration's room): each such plan was made with the room counted as
+        taken, so it does not need it."""
         ledger = cyc.ledger
         name = req.job
-        i, room = cyc.holds[name]
-        if ledger.blocked.get(i, name) != name:
-            return None
-        del cyc.holds[name]
+        i, room = cyc.holds.pop(name)
         ledger.vacate([room])
         avoid: set[str] = set()
         if req.anti_affinity is not None:
