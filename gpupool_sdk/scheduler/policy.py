@@ -312,11 +312,12 @@ class _MoveHold:
 
     ``gpu``: the destination's uuid (ledger indices change with the layout); ``req``: the mover's
     one-slice request as checked there; ``until``: when the hold lapses (``migrate_hold_s`` after
-    the move)."""
+    the move); ``released``: last seen SUSPENDED (released, about to queue again)."""
 
     gpu: str
     req: SliceRequest
     until: float
+    released: bool = False
 
 
 class Scheduler:
@@ -809,12 +810,13 @@ class Scheduler:
 
     def _apply_holds(self, cyc: _Cycle) -> None:
         """Occupy in the ledger the landing room of each moved job still on its way (its move
-        directive in flight, or pending again), so that nobody else is placed there, as a
-        reservation. A hold is dropped when it lapses (``migrate_hold_s``), when its job is gone or
-        runs (granted anywhere: it holds allocations without a preemption in flight), when its
-        GPU is gone or unschedulable, and when the room no longer fits it (someone else was
-        granted it, e.g. by a leader that did not know the hold).
-        The first lapse bounds ``valid_until``."""
+        directive in flight, released, or pending again), so that nobody else is placed there, as
+        a reservation. A hold is dropped when it lapses (``migrate_hold_s``), when its job is gone
+        (but for the instant a released job queues again: ``gpupool run`` releases its lease,
+        which takes the spec with it, and submits the spec again at once) or runs (granted
+        anywhere: it holds allocations without a preemption in flight), when its GPU is gone or
+        unschedulable, and when the room no longer fits it (someone else was granted it, e.g. by
+        a leader that did not know the hold). The first lapse bounds ``valid_until``."""
         ledger = cyc.ledger
         jobs = cyc.snapshot.jobs
         now = cyc.snapshot.now
@@ -822,11 +824,21 @@ class Scheduler:
             hold = self._holds[name]
             view = jobs.get(name)
             i = ledger.index_of.get(hold.gpu)
-            moving = view is not None and view.directive is not None and view.directive.kind is DirectiveKind.PREEMPT
-            waiting = view is not None and view.state is JobState.PENDING and not view.allocations
+            if view is None:
+                on_its_way = hold.released
+            else:
+                d = view.directive
+                released = view.state is JobState.SUSPENDED and not view.allocations
+                on_its_way = (
+                    (d is not None and d.kind is DirectiveKind.PREEMPT)
+                    or released
+                    or (view.state is JobState.PENDING and not view.allocations)
+                )
+                if released != hold.released:
+                    hold = self._holds[name] = replace(hold, released=released)
             if (
                 now >= hold.until
-                or not (moving or waiting)
+                or not on_its_way
                 or i is None
                 or ledger.class_of(i) is None
                 or not fits(ledger.loads[i], hold.req, ledger.ratio)

@@ -333,3 +333,14 @@ def test_a_hold_ends_when_the_mover_runs_again() -> None:
     (g,) = [d for d in ds if isinstance(d, Grant)]
     assert g.job == moved.mover and g.slices[0].gpu_uuid == moved.dest
     assert moved.sched._holds == {}
+
+
+
+def test_a_hold_is_dropped_when_its_job_is_gone() -> None:
+    # Its spec gone while it was not released (cancelled, or its client gave up): the room is free again.
+    moved = _Moved()
+    rest = [v for v in moved.views if v.name != moved.mover]
+    moved.sched.schedule(snap(moved.pool, [*rest, moved.big], now=NOW + 20))
+    ds = moved.sched.schedule(snap(moved.pool, [*rest, moved.big, _ahead()], now=NOW + 30))
+    (g,) = [d for d in ds if isinstance(d, Grant)]
+    assert g.job == "ahead" and g.slices[0].gpu_uuid == moved.dest
