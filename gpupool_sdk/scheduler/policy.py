@@ -292,7 +292,8 @@ class _Cycle:
     #: queued jobs not considered in full (cut by ``max_decisions`` or ``max_preemption_attempts``):
     #: they might have used free capacity or made a plan, so nothing grows this cycle.
     deferred: int = 0
-    #: the first instant a pending job considered this cycle reaches ``reserve_after_s`` (see :mod:`.horizon`).
+    #: the first instant a pending job considered this cycle reaches ``reserve_after_s`` or a held
+    #: landing room lapses (``migrate_hold_s``; see :mod:`.horizon`).
     until: float = math.inf
     #: jobs that may be moved for fragmentation, per ledger GPU (built at the first search), and
     #: the jobs moved this cycle.
