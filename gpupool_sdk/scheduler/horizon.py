@@ -13,6 +13,8 @@ telemetry or GPU change), a later cycle decides the same as this one until the f
   ``use_remaining``) loses as much per second (an honest estimate counts down while it runs);
 * a pending job that failed to be placed reaches ``reserve_after_s`` of waiting (it gets a
   reservation), while the cycle still had reservations to give;
+* a moved job's landing room lapses (``migrate_hold_s``): the scheduler keeps the hold from
+  cycle to cycle, and drops it otherwise only for a change in the snapshot;
 * with aging, ``max_wait_s`` or LAS starvation promotion, every instant (the order moves with time).
 
 :attr:`~gpupool_sdk.scheduler.types.ScheduleResult.valid_until` carries that instant. A driver

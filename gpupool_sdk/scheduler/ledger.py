@@ -286,6 +286,14 @@ class Ledger:
             if reindex:
                 self._reindex(h.gpu)
 
+    def vacate(self, holdings: Sequence[Holding]) -> None:
+        """Undo :meth:`occupy` of ``holdings`` (capacity is freed: ``frees`` is bumped)."""
+        for h in holdings:
+            self.loads[h.gpu].remove(h.qos, h.memory, h.compute, h.peak)
+            self._reindex(h.gpu)
+        if holdings:
+            self.frees += 1
+
     def unreserve(self, job: str) -> list[Holding]:
         """Free everything ``job`` holds; returns the holdings (give them to :meth:`restore` to undo)."""
         held = self.holdings.pop(job, [])

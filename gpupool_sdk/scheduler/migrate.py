@@ -6,7 +6,8 @@ GiB waits while four 16 GiB GPUs have 8 GiB free each, although moving one 4 GiB
 priority, and a preempted job loses its place. A *move* is a preemption whose job fits right now
 on another GPU: it checkpoints, is released, and queues again at its old place in line (the
 coordinator keeps a re-queued job's submission order; ``gpupool run`` re-queues it at once), so it
-pays a checkpoint and a restart, not a wait.
+pays a checkpoint and a restart, not a wait: the scheduler holds its landing room until it runs
+again (``migrate_hold_s``; ``Scheduler._apply_holds``).
 
 :func:`plan_migration` is pure: for a one-slice request that fits on no GPU, it looks at the GPUs
 of the request's class holding movable jobs (:func:`movable_jobs`: running ``shared`` one-slice

@@ -292,7 +292,8 @@ class _Cycle:
     #: queued jobs not considered in full (cut by ``max_decisions`` or ``max_preemption_attempts``):
     #: they might have used free capacity or made a plan, so nothing grows this cycle.
     deferred: int = 0
-    #: the first instant a pending job considered this cycle reaches ``reserve_after_s`` (see :mod:`.horizon`).
+    #: the first instant a pending job considered this cycle reaches ``reserve_after_s`` or a held
+    #: landing room lapses (``migrate_hold_s``; see :mod:`.horizon`).
     until: float = math.inf
     #: jobs that may be moved for fragmentation, per ledger GPU (built at the first search), and
     #: the jobs moved this cycle.
@@ -302,6 +303,22 @@ class _Cycle:
     no_migrate: dict[tuple[object, ...], list[tuple[int, int, float, int]]] = field(default_factory=dict)
     #: movers that could not land anywhere, by (request shape, GPU left): ``ledger.frees`` then.
     no_land: dict[tuple[object, ...], int] = field(default_factory=dict)
+    #: moved jobs whose landing room is held this cycle (see :class:`_MoveHold`): (ledger index, the room).
+    holds: dict[str, tuple[int, Holding]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _MoveHold:
+    """The landing room of a job moved for fragmentation, held from cycle to cycle until it runs again.
+
+    ``gpu``: the destination's uuid (ledger indices change with the layout); ``req``: the mover's
+    one-slice request as checked there; ``until``: when the hold lapses (``migrate_hold_s`` after
+    the move); ``released``: last seen SUSPENDED (released, about to queue again)."""
+
+    gpu: str
+    req: SliceRequest
+    until: float
+    released: bool = False
 
 
 class Scheduler:
@@ -362,6 +379,8 @@ class Scheduler:
         self._mover_reqs: dict[str, tuple[JobView, SliceRequest]] = {}
         #: per running job in the last victim index: (view, running priority, LAS standing).
         self._standings: dict[str, tuple[JobView, float, tuple[int, int] | None]] = {}
+        #: jobs moved for fragmentation whose landing room is held until they run again (lost at a failover).
+        self._holds: dict[str, _MoveHold] = {}
 
     def schedule(self, snapshot: ClusterSnapshot) -> list[Decision]:
         """Run one cycle; returns the decisions in the order they should be applied."""
@@ -430,8 +449,11 @@ class Scheduler:
                 cap = slice_cap(resized.spec, config.etcd_max_txn_ops)
                 counts[name] = max(resized.spec.min_gpus or 1, min(requeued[name], cap))
 
-        # A resize holds the room it grows into, from its directive to its re-placement.
+        # A moved job's landing room stays held until it runs again; a resize holds the room it
+        # grows into, from its directive to its re-placement.
         cyc.pinned = proto.pinned
+        if self._holds:
+            self._apply_holds(cyc)
         if snapshot.gpus:
             self._hold_resizes(cyc, proto.busy, counts)
 
@@ -473,7 +495,7 @@ class Scheduler:
                     rest = rest[j:]
                     break
                 view, req, shape, _key = entries[name]
-                generic = name not in blocked and name not in pinned
+                generic = name not in blocked and name not in pinned and name not in cyc.holds
                 if generic and failed.get(shape) == ledger.frees:
                     unplaced.append(name)
                     continue
@@ -507,7 +529,7 @@ class Scheduler:
         config = cyc.config
         now = cyc.snapshot.now
         shape = req.shape
-        cached = None if view.name in ledger.blocked_jobs else cyc.fail_cache.get(shape)
+        cached = None if view.name in ledger.blocked_jobs or view.name in cyc.holds else cyc.fail_cache.get(shape)
         gpus = self._place(cyc, view, req, cached)
         if gpus is not None:
             self._grant(cyc, view, req, gpus)
@@ -599,10 +621,12 @@ class Scheduler:
         pinned = cyc.pinned
         if pinned and name in pinned:
             gpus = self._pinned(cyc, req, pinned[name])
+        elif cyc.holds and name in cyc.holds:
+            gpus = self._held_room(cyc, req)
         if gpus is None and (cached is None or cached[0] != ledger.frees):
             # A request at least as large as one that failed since the last free fails too (loads
             # only grow while a cycle considers pending jobs); not for a job GPUs are held for.
-            generic = name not in ledger.blocked_jobs and name not in pinned and not req.per_node
+            generic = name not in ledger.blocked_jobs and name not in pinned and not req.per_node and name not in cyc.holds
             nkey = _no_place_key(req) if generic else None
             failed = cyc.no_place.get(nkey) if nkey is not None else None
             frees = ledger.frees
@@ -785,6 +809,67 @@ class Scheduler:
         ][: req.count]
         return ok if len(ok) >= req.min_count else None
 
+    def _apply_holds(self, cyc: _Cycle) -> None:
+        """Occupy in the ledger the landing room of each moved job still on its way (its move
+        directive in flight, released, or pending again), so that nobody else is placed there, as
+        a reservation. A hold is dropped when it lapses (``migrate_hold_s``), when its job is gone
+        (but for the instant a released job queues again: ``gpupool run`` releases its lease,
+        which takes the spec with it, and submits the spec again at once) or runs (granted
+        anywhere: it holds allocations without a preemption in flight), when its GPU is gone or
+        unschedulable, and when the room no longer fits it (someone else was granted it, e.g. by
+        a leader that did not know the hold). The first lapse bounds ``valid_until``."""
+        ledger = cyc.ledger
+        jobs = cyc.snapshot.jobs
+        now = cyc.snapshot.now
+        for name in sorted(self._holds):
+            hold = self._holds[name]
+            view = jobs.get(name)
+            i = ledger.index_of.get(hold.gpu)
+            if view is None:
+                on_its_way = hold.released
+            else:
+                d = view.directive
+                released = view.state is JobState.SUSPENDED and not view.allocations
+                on_its_way = (
+                    (d is not None and d.kind is DirectiveKind.PREEMPT)
+                    or released
+                    or (view.state is JobState.PENDING and not view.allocations)
+                )
+                if released != hold.released:
+                    hold = self._holds[name] = replace(hold, released=released)
+            if (
+                now >= hold.until
+                or not on_its_way
+                or i is None
+                or ledger.class_of(i) is None
+                or not fits(ledger.loads[i], hold.req, ledger.ratio)
+            ):
+                del self._holds[name]
+                continue
+            room = holdings_for(ledger, hold.req, [i])[0]
+            ledger.occupy([room])
+            cyc.holds[name] = (i, room)
+            cyc.until = min(cyc.until, hold.until)
+
+    def _held_room(self, cyc: _Cycle, req: SliceRequest) -> list[int] | None:
+        """The landing room held for moved job ``req.job``, when it still takes ``req`` there (it
+        is then granted it); else None and the hold is dropped (it is placed like any job).
+
+        The room is its own even on a GPU held for another job this cycle (a reservation, a
+        preemption's or a migration's room): each such plan was made with the room counted as
+        taken, so it does not need it."""
+        ledger = cyc.ledger
+        name = req.job
+        i, room = cyc.holds.pop(name)
+        ledger.vacate([room])
+        avoid: set[str] = set()
+        if req.anti_affinity is not None:
+            avoid = {n for n, c in ledger.groups.get(req.anti_affinity, {}).items() if c > 0}
+        if req.count == 1 and ledger.nodes[i] not in avoid and fits(ledger.loads[i], req, ledger.ratio):
+            return [i]
+        self._holds.pop(name, None)
+        return None
+
     def _plan_waiting(self, cyc: _Cycle, view: JobView, req: SliceRequest) -> Plan | None:
         if cyc.freeing_by_job is None:
             by_job: dict[str | None, list[str]] = {}
@@ -966,8 +1051,11 @@ class Scheduler:
         for move in plan.moves:
             mover = cyc.snapshot.jobs[move.job]
             dest = ledger.gpus[move.dest]
-            # Its landing room is held for the rest of this cycle (it keeps its own until its release).
+            # Its landing room is held for the rest of this cycle (it keeps its own until its
+            # release), and in the next ones until it runs again (``migrate_hold_s`` at most).
             ledger.reserve(move.job, holdings_for(ledger, move.req, [move.dest]), move.req.anti_affinity)
+            if config.migrate_hold_s > 0:
+                self._holds[move.job] = _MoveHold(dest.uuid, move.req, now + config.migrate_hold_s)
             cyc.decisions.append(
                 Preempt(
                     move.job,
@@ -1068,6 +1156,8 @@ class Scheduler:
 
     def _grant(self, cyc: _Cycle, view: JobView, req: SliceRequest, gpus: list[int]) -> None:
         ledger = cyc.ledger
+        if self._holds:
+            self._holds.pop(view.name, None)  # a moved job runs again: its landing room is no longer held
         held = holdings_for(ledger, req, gpus)
         ledger.reserve(view.name, held, req.anti_affinity)
         slices = self._slices(ledger, held)

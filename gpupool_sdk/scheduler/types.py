@@ -110,6 +110,10 @@ class SchedulerConfig:
         migrate_min_run_s: a job is moved only after running this long since its grant (a
             migration re-grants it, so no job is moved more than once per this many seconds).
         migrate_max_per_cycle: the most jobs moved in one cycle (0 = none).
+        migrate_hold_s: a moved job's landing room (the GPU it was checked to fit on) is held
+            for it from its move until it is granted again, at most this long: others are not
+            placed in that room meanwhile, and the job is placed there first (0 = held only in
+            the cycle that moves it). Kept by the leader's scheduler only: a failover drops it.
     """
 
     overcommit_ratio: float = 1.0
@@ -144,6 +148,7 @@ class SchedulerConfig:
     migrate_for_fragmentation: bool = False
     migrate_min_run_s: float = 3600.0
     migrate_max_per_cycle: int = 2
+    migrate_hold_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -158,6 +163,7 @@ class SchedulerConfig:
             "las_promote_after_factor",
             "resize_retry_s",
             "migrate_min_run_s",
+            "migrate_hold_s",
         ):
             # NaN slips through every `x < bound` check below, and infinity makes no sense for these.
             if not math.isfinite(getattr(self, name)):
@@ -186,7 +192,7 @@ class SchedulerConfig:
                 "balloon_floor_bytes", f"must be a whole number of bytes >= 0 (268435456 = 256 MiB), got {floor_bytes!r}"
             )
         for name in ("min_runtime_s", "aging_s_per_priority", "max_wait_s", "preempt_grace_s", "balloon_grace_s",
-                     "resize_retry_s", "migrate_min_run_s"):
+                     "resize_retry_s", "migrate_min_run_s", "migrate_hold_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0 seconds, got {getattr(self, name)}")
         if self.max_decisions < 1:

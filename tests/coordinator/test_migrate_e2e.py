@@ -141,3 +141,36 @@ def test_a_mover_is_preempted_acks_is_regranted_elsewhere_and_the_pending_job_ge
     assert [type(x) for x in third if x.job == mover] == [st.Grant]
     assert pool.status(mover).state is JobState.GRANTED and pool.gpus_of(mover) == {g1.uuid}
     assert pool.gpus_of("big") == {g0.uuid}
+
+
+def test_the_movers_landing_room_is_held_while_it_queues_again(pool: Pool) -> None:
+    # As above, but a cycle runs while the mover is released (SUSPENDED) and another while its
+    # client re-submits it (its spec gone with its lease), and an 8 GiB job arrives meanwhile:
+    # GPU 1's free 8 GiB would take it, but 4 GiB of it is the mover's landing room, held for it.
+    g0, g1 = pool.gpus
+    pool.hold("s0", "4GiB", g0)
+    pool.hold("s1", "4GiB", g0)
+    pool.hold("s2", "8GiB", g1)
+    pool.submit("big", "12GiB")
+    first, _ = pool.cycle(NOW)
+    (p,) = [d for d in first if isinstance(d, st.Preempt)]
+    mover = p.job
+    assert g1.uuid in p.reason
+    d = pool.directive(mover)
+    assert d is not None
+    pool.ack(mover, seq=d.seq, step=7, checkpoint="/ckpt/7", at=NOW + 5)
+    pool.cycle(NOW + 10)
+    assert pool.status(mover).state is JobState.SUSPENDED and pool.gpus_of("big") == {g0.uuid}
+
+    pool.submit("other", "8GiB")
+    suspended, _ = pool.cycle(NOW + 11)
+    assert [type(x) for x in suspended if x.job == "other"] == [st.Queue]
+    pool.store.revoke_lease(pool.leases[mover])
+    gap, _ = pool.cycle(NOW + 12)
+    assert [type(x) for x in gap if x.job == "other"] == [st.Queue]
+    assert pool.gpus_of("other") == set()
+
+    pool.submit(mover, "4GiB")
+    back, _ = pool.cycle(NOW + 15)
+    assert [type(x) for x in back if x.job == mover] == [st.Grant]
+    assert pool.gpus_of(mover) == {g1.uuid} and pool.gpus_of("other") == set()
