@@ -103,17 +103,24 @@ def pool(store: EtcdStore) -> Iterator[Pool]:
         election.resign()
 
 
-def test_a_mover_is_preempted_acks_is_regranted_elsewhere_and_the_pending_job_gets_the_merged_room(
-    pool: Pool, etcd_endpoint: str
-) -> None:
+def _fragment_and_move(pool: Pool) -> st.Preempt:
+    """GPU 0 holds two 4 GiB shared jobs, GPU 1 one of 8 GiB, and a 12 GiB job waits: the first
+    cycle moves one of GPU 0's jobs (its only Preempt is returned)."""
     g0, g1 = pool.gpus
     pool.hold("s0", "4GiB", g0)
     pool.hold("s1", "4GiB", g0)
     pool.hold("s2", "8GiB", g1)
     pool.submit("big", "12GiB")
-
     first, _ = pool.cycle(NOW)
     (p,) = [d for d in first if isinstance(d, st.Preempt)]
+    return p
+
+
+def test_a_mover_is_preempted_acks_is_regranted_elsewhere_and_the_pending_job_gets_the_merged_room(
+    pool: Pool, etcd_endpoint: str
+) -> None:
+    g0, g1 = pool.gpus
+    p = _fragment_and_move(pool)
     mover = p.job
     assert mover in ("s0", "s1") and p.for_job == "big"
     assert reason_code(p.reason, p.for_job) == "migrate"
@@ -148,12 +155,7 @@ def test_the_movers_landing_room_is_held_while_it_queues_again(pool: Pool) -> No
     # client re-submits it (its spec gone with its lease), and an 8 GiB job arrives meanwhile:
     # GPU 1's free 8 GiB would take it, but 4 GiB of it is the mover's landing room, held for it.
     g0, g1 = pool.gpus
-    pool.hold("s0", "4GiB", g0)
-    pool.hold("s1", "4GiB", g0)
-    pool.hold("s2", "8GiB", g1)
-    pool.submit("big", "12GiB")
-    first, _ = pool.cycle(NOW)
-    (p,) = [d for d in first if isinstance(d, st.Preempt)]
+    p = _fragment_and_move(pool)
     mover = p.job
     assert g1.uuid in p.reason
     d = pool.directive(mover)
