@@ -29,7 +29,8 @@ script whose callback refused the launcher's spec (its own arguments contradict 
 ``ConfigError`` it reports on the channel) is not restarted: every run would stop the same way.
 
 Exit codes: the script's own when it finished (0); 75 when it was stopped by a signal (it
-checkpointed, or died of the signal or of the SIGKILL after ``--grace`` before it could: run it
+checkpointed (also when a launcher in between, such as torchrun, exits 1: the script reports its
+checkpoint on the channel), or died of the signal or of the SIGKILL after ``--grace`` before it could: run it
 again to resume from its newest checkpoint); the script's own failing code when it exited non-zero
 while stopping, or once ``--max-restarts`` is spent (128+N for a signal N); 2 for bad flags or a
 script that refused them; 3 when
@@ -368,6 +369,12 @@ def run_job(
                 if rc == 0:
                     say(f"the script finished (exit code 0) as {signal.Signals(stop_signal[0]).name} arrived")
                     return 0
+                if server.stopped_checkpoint:
+                    # The script checkpointed and exited 75; a launcher in between exited otherwise
+                    # (torchrun exits 1 when it is signalled itself).
+                    say(f"stopped by {signal.Signals(stop_signal[0]).name}: checkpointed ({server.stopped_checkpoint}); "
+                        f"the command ended with {describe_exit(rc)}; exit {EX_TEMPFAIL} (run again to resume)")
+                    return EX_TEMPFAIL
                 if rc < 0:
                     # Killed before it could checkpoint: by the forwarded signal itself (no handler
                     # yet: still starting, or a script without the SDK) or by SIGKILL after --grace.

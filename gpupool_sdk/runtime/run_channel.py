@@ -12,7 +12,9 @@ Wire format: one JSON object per line.
 
 * script -> launcher: ``{"op": "hello", "pid": ...}``, ``{"op": "ack", ...}``,
   ``{"op": "telemetry", "summary": {...}}``, ``{"op": "release"}``, ``{"op": "refused", "field",
-  "message"}`` (the script's own arguments contradict the launcher's spec: running it again cannot help).
+  "message"}`` (the script's own arguments contradict the launcher's spec: running it again cannot help),
+  ``{"op": "stopped", "checkpoint", "reason"}`` (a signal stopped the script at a step boundary, after
+  that checkpoint: what the launcher reports, whatever a launcher in between, such as torchrun, exits with).
 * launcher -> script: ``{"op": "grant", "job", "visible_devices", "resume_from"}`` (answer to
   hello), ``{"op": "directive", "directive": {...}}``, ``{"op": "released", "ok": bool}``,
   ``{"op": "lost", "reason": str}``.
@@ -215,6 +217,11 @@ class ChannelLease:
         with contextlib.suppress(OSError):
             _send(self._sock, self._lock, {"op": "refused", "field": field, "message": message})
 
+    def stopped(self, checkpoint: str, reason: str) -> None:
+        """Tell the launcher a signal stopped the script after ``checkpoint`` (no directive to ack)."""
+        with contextlib.suppress(OSError):
+            _send(self._sock, self._lock, {"op": "stopped", "checkpoint": checkpoint, "reason": reason})
+
     def release(self) -> None:
         """Tell the launcher this process is done with the lease (it decides what happens next)."""
         if os.getpid() != self._pid:
@@ -254,6 +261,8 @@ class RunChannelServer:
         self.acked_at = 0.0
         #: The script's ``ConfigError`` (``"field: message"``) when it refused the launcher's spec.
         self.refused: str | None = None
+        #: The checkpoint a signal stopped the script after (``stopped``), or None.
+        self.stopped_checkpoint: str | None = None
         self._stop = threading.Event()
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._srv.bind(path)
@@ -327,6 +336,8 @@ class RunChannelServer:
                     self.released_by_child.set()
                 elif op == "refused":
                     self.refused = str(msg.get("message") or msg.get("field") or "refused")
+                elif op == "stopped":
+                    self.stopped_checkpoint = str(msg.get("checkpoint") or "") or None
         finally:
             conn.close()
 

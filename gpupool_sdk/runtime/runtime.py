@@ -572,6 +572,12 @@ class PoolRuntime:
                 if not keep_lease and not self.lease.wait_released(timeout=self.options.release_timeout):
                     log.warning("slices of %s not taken back within %.0fs; releasing the lease", self.job,
                                 self.options.release_timeout)
+            if by_signal:
+                # Under `gpupool run` the launcher learns that the script checkpointed: a launcher in
+                # between (torchrun exits 1 when it is signalled) hides the script's exit 75.
+                stopped = getattr(self.lease, "stopped", None)
+                if stopped is not None:
+                    stopped(path, dec.reason)
             if keep_lease:
                 self._closed = True  # the launcher keeps the lease through the resize
                 self.stop_training()

@@ -74,6 +74,28 @@ def test_gpupool_run_torchrun_a_sigterm_in_ddp_setup_stops_every_process_at_once
              what="the job's keys to go")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gpupool_run_torchrun_a_sigterm_while_training_checkpoints_and_exits_75(live_pool: LivePool) -> None:
+    """`gpupool run -- torchrun ...` SIGTERMed while the rank trains: the rank checkpoints and exits 75, but
+    torchrun, signalled too, exits 1; the launcher said "exit code 1 without a checkpoint" and exited 1 (no
+    requeue by Slurm's RequeueExit=75). The script reports its checkpoint on the channel: 75."""
+    live_pool.start("node-a:1xA100-40GB")
+    paused = str(Path(__file__).with_name("paused_train.py"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts",
+           "0", paused, "--pause-dir", str(live_pool.tmp), "--pause-at=10", "--epochs", "3",
+           "--out", str(live_pool.tmp / "job.pt")]
+    run = live_pool.gpupool("trun", "run", "--name", "trun", "--memory", "1GiB", "--grace", "300", "--", *cmd)
+    wait_for(lambda: (live_pool.tmp / "paused-at-10").exists(), LONG, what="the rank to be held at step 10")
+    run.send_signal(signal.SIGTERM)
+    rc = live_pool.wait_exit(run, "trun", LONG)
+    log = live_pool.log("trun")
+    assert (live_pool.tmp / "ckpt" / "trun-signal-step11.ckpt").exists(), log[-4000:]
+    assert rc == 75 and "checkpointed (" in log and "the command ended with exit code 1" in log, log[-4000:]
+    wait_for(lambda: live_pool.status("trun") is None and not live_pool.allocations("trun"),
+             what="the job's keys to go")
+
+
 def run_train(tmp_path: Path, send: str, ignore_sigint: bool = False) -> dict[str, Any]:
     """``early_signal_job.py --case train`` in a process of its own (started with SIGINT ignored, as
     ``nohup`` or ``&`` in a shell script leave it, when asked); its ``SIGNALS`` line."""
