@@ -29,9 +29,10 @@ script whose callback refused the launcher's spec (its own arguments contradict 
 ``ConfigError`` it reports on the channel) is not restarted: every run would stop the same way.
 
 Exit codes: the script's own when it finished (0); 75 when it was stopped by a signal (it
-checkpointed (also when a launcher in between, such as torchrun, exits 1: the script reports its
-checkpoint on the channel), or died of the signal or of the SIGKILL after ``--grace`` before it could: run it
-again to resume from its newest checkpoint); the script's own failing code when it exited non-zero
+checkpointed, or died of the signal or of the SIGKILL after ``--grace`` before it could: run it
+again to resume from its newest checkpoint; also when a launcher in between, such as torchrun, exits
+1 when signalled: the script reports its checkpoint on the channel, and a script killed before it
+leaves its connection without the release every Python exit sends); the script's own failing code when it exited non-zero
 while stopping, or once ``--max-restarts`` is spent (128+N for a signal N); 2 for bad flags or a
 script that refused them; 3 when
 etcd is unreachable.
@@ -355,6 +356,8 @@ def run_job(
             proc = subprocess.Popen(command, env=env, start_new_session=True)
             rc = _wait(proc, stop_signal, grace_s)
             proc = None
+            if stop_signal:
+                server.wait_hang_ups(5.0)  # how the script ended: checkpointed, released, or killed
             server.close()
             lost = bool(lease.lost)
             if stop_signal:
@@ -381,6 +384,13 @@ def run_job(
                     # Stopped from outside all the same: its newest checkpoint stands, run it again.
                     say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script was {describe_exit(rc)} "
                         f"before it checkpointed; exit {EX_TEMPFAIL} (run again to resume from its newest checkpoint)")
+                    return EX_TEMPFAIL
+                if server.hung_up.is_set():
+                    # The same under a launcher in between: the script's rank died without its exit
+                    # cleanup (the signal's default action, before training), and torchrun exits 1.
+                    say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script was killed before it "
+                        f"checkpointed (the command ended with {describe_exit(rc)}); exit {EX_TEMPFAIL} (run again "
+                        "to resume from its newest checkpoint)")
                     return EX_TEMPFAIL
                 say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script ended with {describe_exit(rc)} "
                     "without a checkpoint")

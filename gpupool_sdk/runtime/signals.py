@@ -11,7 +11,8 @@ Handlers installed before (the user's, a framework's) are chained: they run afte
 default SIGINT handler (which raises ``KeyboardInterrupt`` in the middle of a step) is not chained:
 a first Ctrl-C checkpoints; a second one, once the first was recorded, interrupts at once. (Two
 SIGINTs that arrive before the first reached Python's handler are one: the kernel merges a pending
-signal with a second of its kind, and Python runs a handler once per wake-up.)
+signal with a second of its kind, and Python runs a handler once for all the deliveries since it
+last ran it.)
 Once uninstalled, a handler of ours that a framework put back records nothing and hands the
 signal to the handler found before ours (see :class:`SignalWatch`).
 """
@@ -127,19 +128,6 @@ class SignalWatch:
     def owns(self, handler: Any) -> bool:
         """True when ``handler`` is this watch's own (as :func:`signal.getsignal` returns it)."""
         return bool(handler == self._handle)
-
-    def reinstall(self, signum: int) -> bool:
-        """Put this watch's handler back for ``signum``, over one a framework installed after ours.
-
-        For a framework whose own handler calls ours but also acts on the signal in a way that
-        defeats the checkpoint (Lightning's SIGTERM stop). The handler found at :meth:`install`
-        stays chained. Main thread only; returns False (nothing done) elsewhere or for a signal
-        this watch does not handle now.
-        """
-        if threading.current_thread() is not threading.main_thread() or signum not in self._active:
-            return False
-        signal.signal(signum, self._handle)
-        return True
 
     def uninstall(self) -> None:
         """Put back the handlers found at :meth:`install` wherever ours is the one installed.

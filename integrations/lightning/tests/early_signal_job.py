@@ -12,7 +12,7 @@ test signals the launcher instead.
 prints one ``SIGNALS {...}`` line at exit: the outcome, the step, and the SIGINT handler in place at
 the first training step. At step 3 it sends itself what ``--send`` says: ``one`` SIGINT, ``two``
 SIGINTs, the second once the first was recorded (a second Ctrl-C), or ``together`` two SIGINTs
-sent while SIGINT is blocked (one pending signal when it is unblocked).
+sent to its main thread while that blocks SIGINT (one pending signal when it is unblocked).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,14 @@ def train(args: argparse.Namespace) -> int:
             if trainer.global_step != 3:
                 return
             if args.send == "together":
+                # Both sent to this (main) thread while it blocks SIGINT: the second merges with the
+                # pending first. (os.kill would let the kernel deliver each to another thread of the
+                # process, one that does not block it, and Python might run the handler in between.)
+                main = threading.main_thread().ident
+                assert main is not None
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                os.kill(os.getpid(), signal.SIGINT)
-                os.kill(os.getpid(), signal.SIGINT)
+                signal.pthread_kill(main, signal.SIGINT)
+                signal.pthread_kill(main, signal.SIGINT)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one SIGINT is delivered here
             elif args.send in ("one", "two"):
                 os.kill(os.getpid(), signal.SIGINT)

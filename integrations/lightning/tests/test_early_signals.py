@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import signal
@@ -56,11 +57,12 @@ def test_plain_torchrun_a_sigterm_in_ddp_setup_ends_rank_0_at_once_and_frees_the
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_gpupool_run_torchrun_a_sigterm_in_ddp_setup_stops_every_process_at_once(live_pool: LivePool) -> None:
+def test_gpupool_run_torchrun_a_sigterm_in_ddp_setup_stops_every_process_at_once_with_75(live_pool: LivePool) -> None:
     """`gpupool run -- torchrun ...` SIGTERMed while rank 0 waits in DDP's rendezvous (rank 1 held before it
     joins): the forwarded signal ends both ranks by its default action, torchrun stops (it exits 1 when
-    signalled) without killing anything, the launcher needs no SIGKILL after --grace, and the job's keys go.
-    Before, torchrun waited 30 s for rank 0 and then SIGKILLed it."""
+    signalled) without killing anything, the launcher needs no SIGKILL after --grace and exits 75, as for a
+    script killed by the signal before it checkpointed (rank 0 left the channel without the release every
+    Python exit sends), and the job's keys go. Before, torchrun waited 30 s for rank 0 and then SIGKILLed it."""
     live_pool.start("node-a:2xA100-40GB")
     run = live_pool.gpupool("run", "run", "--name", "rddp", "--gpus", "2", "--memory", "1GiB", "--grace", "300", "--",
                             *torchrun("--case", "ddp_setup", "--dir", str(live_pool.tmp)))
@@ -69,7 +71,8 @@ def test_gpupool_run_torchrun_a_sigterm_in_ddp_setup_stops_every_process_at_once
     rc = live_pool.wait_exit(run, "run", LONG)
     log = live_pool.log("run")
     assert "forcefully exiting" not in log and "SIGKILL" not in log, log[-4000:]  # neither torchrun's nor the launcher's
-    assert rc == 1 and "stopped by SIGTERM: the script ended with exit code 1 without a checkpoint" in log, log[-4000:]
+    assert rc == 75, log[-4000:]
+    assert "the script was killed before it checkpointed (the command ended with exit code 1)" in log, log[-4000:]
     wait_for(lambda: live_pool.status("rddp") is None and not live_pool.allocations("rddp"),
              what="the job's keys to go")
 
@@ -102,16 +105,15 @@ def run_train(tmp_path: Path, send: str, ignore_sigint: bool = False) -> dict[st
     cmd = shlex.join([sys.executable, JOB, "--case", "train", "--dir", str(tmp_path), "--send", send])
     # `trap '' INT` sets SIG_IGN, which exec keeps: the script starts with SIGINT ignored.
     script = ("trap '' INT; " if ignore_sigint else "") + "exec " + cmd
-    res = subprocess.run(["sh", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=LONG,
-                         env={**_clean_env(), "PYTHONPATH": str(ROOT) + ":" + _clean_env().get("PYTHONPATH", "")})
+    env = _clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    res = subprocess.run(["sh", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=LONG, env=env)
     line = next((x for x in res.stdout.splitlines() if x.startswith("SIGNALS ")), None)
     assert res.returncode == 0 and line is not None, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(line.removeprefix("SIGNALS "))  # type: ignore[no-any-return]
 
 
 def _clean_env() -> dict[str, str]:
-    import os
-
     env = dict(os.environ)
     for var in ("GPUPOOL_RUN_SOCKET", "GPUPOOL_LEASED", "GPUPOOL_DEVICES", "GPUPOOL_RESUME_FROM", "GPUPOOL_JOB",
                 "GPUPOOL_LEASE_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
