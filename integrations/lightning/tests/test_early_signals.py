@@ -5,6 +5,9 @@
   callback's recording handler kept rank 0 alive until torchrun's SIGKILL, 30 s later. Now the
   handler is installed where the loops begin, and a SIGTERM before that ends the process at once.
   Real etcd, coordinator, simulated agent, plain torchrun and ``gpupool run`` + torchrun (gloo, CPU).
+* ``gpupool run -- torchrun``: torchrun exits 1 when it is signalled, whatever its ranks did; the
+  launcher exits 75 all the same when rank 0 checkpointed (it says so on the channel) or was killed
+  by the signal before it could (it left the channel without a release).
 * A process started with SIGINT ignored (``nohup``, ``&`` in a non-interactive shell) keeps it
   ignored: the callback installs no handler over ``SIG_IGN``.
 * A second Ctrl-C interrupts at once once the first was recorded; two SIGINTs delivered together
