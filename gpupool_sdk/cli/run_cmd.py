@@ -30,7 +30,9 @@ script whose callback refused the launcher's spec (its own arguments contradict 
 
 Exit codes: the script's own when it finished (0); 75 when it was stopped by a signal (it
 checkpointed, or died of the signal or of the SIGKILL after ``--grace`` before it could: run it
-again to resume from its newest checkpoint); the script's own failing code when it exited non-zero
+again to resume from its newest checkpoint; also when a launcher in between, such as torchrun, exits
+1 when signalled: the script reports its checkpoint on the channel, and a script killed before it
+leaves its connection without the release every Python exit sends); the script's own failing code when it exited non-zero
 while stopping, or once ``--max-restarts`` is spent (128+N for a signal N); 2 for bad flags or a
 script that refused them; 3 when
 etcd is unreachable.
@@ -354,6 +356,8 @@ def run_job(
             proc = subprocess.Popen(command, env=env, start_new_session=True)
             rc = _wait(proc, stop_signal, grace_s)
             proc = None
+            if stop_signal:
+                server.wait_hang_ups(5.0)  # how the script ended: checkpointed, released, or killed
             server.close()
             lost = bool(lease.lost)
             if stop_signal:
@@ -368,12 +372,25 @@ def run_job(
                 if rc == 0:
                     say(f"the script finished (exit code 0) as {signal.Signals(stop_signal[0]).name} arrived")
                     return 0
+                if server.stopped_checkpoint:
+                    # The script checkpointed and exited 75; a launcher in between exited otherwise
+                    # (torchrun exits 1 when it is signalled itself).
+                    say(f"stopped by {signal.Signals(stop_signal[0]).name}: checkpointed ({server.stopped_checkpoint}); "
+                        f"the command ended with {describe_exit(rc)}; exit {EX_TEMPFAIL} (run again to resume)")
+                    return EX_TEMPFAIL
                 if rc < 0:
                     # Killed before it could checkpoint: by the forwarded signal itself (no handler
                     # yet: still starting, or a script without the SDK) or by SIGKILL after --grace.
                     # Stopped from outside all the same: its newest checkpoint stands, run it again.
                     say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script was {describe_exit(rc)} "
                         f"before it checkpointed; exit {EX_TEMPFAIL} (run again to resume from its newest checkpoint)")
+                    return EX_TEMPFAIL
+                if server.hung_up.is_set():
+                    # The same under a launcher in between: the script's rank died without its exit
+                    # cleanup (the signal's default action, before training), and torchrun exits 1.
+                    say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script was killed before it "
+                        f"checkpointed (the command ended with {describe_exit(rc)}); exit {EX_TEMPFAIL} (run again "
+                        "to resume from its newest checkpoint)")
                     return EX_TEMPFAIL
                 say(f"stopped by {signal.Signals(stop_signal[0]).name}: the script ended with {describe_exit(rc)} "
                     "without a checkpoint")

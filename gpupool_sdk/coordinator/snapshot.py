@@ -23,9 +23,12 @@ the lease ids of one consistent read:
 Anything else is a :class:`Problem` (logged once per key and revision), never granted and never
 counted as capacity. Allocations are a different matter: *every* allocation in etcd takes
 physical memory, whoever wrote it. One that belongs to no live job (no lease, no valid spec, or
-a lease other than its spec's), or to a job whose status is not a holding one (the leader writes
-allocations only together with GRANTED), is an :class:`Orphan`: listed as a problem, counted as used by
-the scheduler (``ClusterSnapshot.orphans``) and garbage-collected by the leader after a grace.
+a lease other than its spec's), to a job whose status is not a holding one (the leader writes
+allocations only together with GRANTED), or whose ``granted_at`` is not its job's grant's
+(``JobStatus.granted_at``: every allocation of a grant carries it, so one written by hand on the
+job's lease while it is GRANTED is told apart), is an :class:`Orphan`: listed as a problem, counted
+as used by the scheduler (``ClusterSnapshot.orphans``), deleted by the job's next grant and
+garbage-collected by the leader after a grace.
 """
 
 from __future__ import annotations
@@ -485,6 +488,12 @@ def build_state(
             if held_by is None or held_by[0].state not in HOLDING_STATES:
                 state = "no status" if held_by is None else f"status {held_by[0].state.value}"
                 why = f"job {a.job!r} holds no grant ({state}): not written by the leader"
+            elif held_by[0].granted_at is not None and a.granted_at != held_by[0].granted_at:
+                # Every allocation of a grant carries the grant's time, as its status does (a grant,
+                # a re-grant and a migration rewrite them all; a balloon, a deflate and a shrink keep
+                # it): one that differs was written beside the grant, not by it.
+                why = (f"granted_at {a.granted_at!r} is not that of job {a.job!r}'s grant "
+                       f"({held_by[0].granted_at!r}): not written by its grant")
         if why is None:
             allocs_by_job.setdefault(a.job, []).append(a)
             granted_rev[a.job] = min(granted_rev.get(a.job, kv.create_revision), kv.create_revision)

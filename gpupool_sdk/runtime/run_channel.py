@@ -12,7 +12,9 @@ Wire format: one JSON object per line.
 
 * script -> launcher: ``{"op": "hello", "pid": ...}``, ``{"op": "ack", ...}``,
   ``{"op": "telemetry", "summary": {...}}``, ``{"op": "release"}``, ``{"op": "refused", "field",
-  "message"}`` (the script's own arguments contradict the launcher's spec: running it again cannot help).
+  "message"}`` (the script's own arguments contradict the launcher's spec: running it again cannot help),
+  ``{"op": "stopped", "checkpoint", "reason"}`` (a signal stopped the script at a step boundary, after
+  that checkpoint: what the launcher reports, whatever a launcher in between, such as torchrun, exits with).
 * launcher -> script: ``{"op": "grant", "job", "visible_devices", "resume_from"}`` (answer to
   hello), ``{"op": "directive", "directive": {...}}``, ``{"op": "released", "ok": bool}``,
   ``{"op": "lost", "reason": str}``.
@@ -215,6 +217,11 @@ class ChannelLease:
         with contextlib.suppress(OSError):
             _send(self._sock, self._lock, {"op": "refused", "field": field, "message": message})
 
+    def stopped(self, checkpoint: str, reason: str) -> None:
+        """Tell the launcher a signal stopped the script after ``checkpoint`` (no directive to ack)."""
+        with contextlib.suppress(OSError):
+            _send(self._sock, self._lock, {"op": "stopped", "checkpoint": checkpoint, "reason": reason})
+
     def release(self) -> None:
         """Tell the launcher this process is done with the lease (it decides what happens next)."""
         if os.getpid() != self._pid:
@@ -254,6 +261,13 @@ class RunChannelServer:
         self.acked_at = 0.0
         #: The script's ``ConfigError`` (``"field: message"``) when it refused the launcher's spec.
         self.refused: str | None = None
+        #: The checkpoint a signal stopped the script after (``stopped``), or None.
+        self.stopped_checkpoint: str | None = None
+        #: The script's connection ended without a ``release`` (and not because the launcher closed
+        #: it): the process died without its exit-time cleanup, by a signal or SIGKILL. A Python
+        #: exception still releases (at exit), so this tells a killed script from one that raised.
+        self.hung_up = threading.Event()
+        self._conn_threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._srv.bind(path)
@@ -278,14 +292,17 @@ class RunChannelServer:
             t = threading.Thread(target=self._serve, args=(conn,), name="gpupool-run-conn", daemon=True)
             t.start()
             self._threads.append(t)
+            self._conn_threads.append(t)
 
     def _serve(self, conn: socket.socket) -> None:
         lock = threading.Lock()
         forwarder: threading.Thread | None = None
+        greeted = released = False
         try:
             for msg in _lines(conn):
                 op = msg.get("op")
                 if op == "hello":
+                    greeted = True
                     grant = {
                         "op": "grant",
                         "job": self.lease.job,
@@ -324,9 +341,14 @@ class RunChannelServer:
                     if self.on_event:
                         self.on_event("telemetry", msg)
                 elif op == "release":
+                    released = True
                     self.released_by_child.set()
                 elif op == "refused":
                     self.refused = str(msg.get("message") or msg.get("field") or "refused")
+                elif op == "stopped":
+                    self.stopped_checkpoint = str(msg.get("checkpoint") or "") or None
+            if greeted and not released and not self._stop.is_set():
+                self.hung_up.set()
         finally:
             conn.close()
 
@@ -352,6 +374,17 @@ class RunChannelServer:
             except OSError:
                 return
             time.sleep(0.02)
+
+    def wait_hang_ups(self, timeout: float) -> None:
+        """Once the script exited: wait (at most ``timeout`` s) until its connections are read to their end.
+
+        The kernel closed a dead script's socket; what it sent before (a release, a checkpoint) is
+        read first, so :attr:`hung_up` and :attr:`stopped_checkpoint` are final afterwards. A
+        process the script left behind may hold the socket open: then the wait ends at ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        for t in list(self._conn_threads):
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Stop serving, close every connection (the script sees the launcher go) and remove the socket file."""

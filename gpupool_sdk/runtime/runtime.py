@@ -296,7 +296,7 @@ class PoolRuntime:
             os.environ[RESUME_ENV] = self.resume_from
         else:
             os.environ.pop(RESUME_ENV, None)
-        self.signals.install(self.options.signal_numbers)
+        # The signal handlers wait for training (arm_signals): until then there is nothing to checkpoint.
         atexit.register(self.close)
 
     def _plan_sharing(self) -> None:
@@ -363,6 +363,26 @@ class PoolRuntime:
 
             return max(1, min(self.slices, torch.cuda.device_count()))
         return max(1, self.slices)
+
+    def arm_signals(self, found: Mapping[int, Any] | None = None) -> bool:
+        """Handle the preemption signals from here on: the adapter calls it where step boundaries begin.
+
+        Not at :meth:`acquire`: a signal only ever acts at a step boundary, and before training
+        (building the model, DDP's rendezvous, restoring a checkpoint) none may come for minutes,
+        or ever, when the process is blocked in a collective whose peer died: a recording handler
+        there kept the process alive until its launcher's SIGKILL (torchrun's 30 s). Until armed,
+        the process's own dispositions stand: by default SIGTERM ends it at once, with nothing to
+        save, and ``gpupool run`` reports it stopped before its checkpoint (exit 75). Idempotent;
+        a no-op once the lease is given back, lost or closed. Returns whether the watch is active.
+
+        Args:
+            found: the handlers a framework found before it put its own in place (see
+                :meth:`SignalWatch.install`).
+        """
+        if self._closed or self.preempted or self.lost_error is not None:
+            return False
+        self.signals.install(self.options.signal_numbers, found)
+        return self.signals.active
 
     def lease_lost(self) -> bool:
         """True when the lease is gone (one attribute read)."""
@@ -552,6 +572,12 @@ class PoolRuntime:
                 if not keep_lease and not self.lease.wait_released(timeout=self.options.release_timeout):
                     log.warning("slices of %s not taken back within %.0fs; releasing the lease", self.job,
                                 self.options.release_timeout)
+            if by_signal:
+                # Under `gpupool run` the launcher learns that the script checkpointed: a launcher in
+                # between (torchrun exits 1 when it is signalled) hides the script's exit 75.
+                stopped = getattr(self.lease, "stopped", None)
+                if stopped is not None:
+                    stopped(path, dec.reason)
             if keep_lease:
                 self._closed = True  # the launcher keeps the lease through the resize
                 self.stop_training()

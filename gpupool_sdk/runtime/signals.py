@@ -1,9 +1,18 @@
 """Signals as preemptions: SIGTERM, SIGINT and Slurm's ``--signal`` mean "checkpoint and go".
 
 The handler only records the signal (async-signal-safe: two attribute stores); the runtime acts
-at the next step boundary. Handlers installed before (the user's, a framework's) are chained:
-they run after ours. Python's default SIGINT handler (which raises ``KeyboardInterrupt`` in the
-middle of a step) is not chained: a first Ctrl-C checkpoints; a second one interrupts at once.
+at the next step boundary, so the adapters install it only where step boundaries are about to come
+(training starts): before that a signal keeps the process's own disposition (the default ends the
+process at once, also inside a blocking call such as DDP's rendezvous, where a Python handler could
+not even run). A signal the process ignores (``SIG_IGN``: ``nohup``, a background job of a
+non-interactive shell) is left ignored, as Python itself does for SIGINT.
+
+Handlers installed before (the user's, a framework's) are chained: they run after ours. Python's
+default SIGINT handler (which raises ``KeyboardInterrupt`` in the middle of a step) is not chained:
+a first Ctrl-C checkpoints; a second one, once the first was recorded, interrupts at once. (Two
+SIGINTs that arrive before the first reached Python's handler are one: the kernel merges a pending
+signal with a second of its kind, and Python runs a handler once for all the deliveries since it
+last ran it.)
 Once uninstalled, a handler of ours that a framework put back records nothing and hands the
 signal to the handler found before ours (see :class:`SignalWatch`).
 """
@@ -12,7 +21,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -51,24 +60,41 @@ class SignalWatch:
         prev = self._previous.get(signum)
         return prev if prev is not None else signal.SIG_DFL
 
-    def install(self, signums: tuple[int, ...]) -> bool:
+    def install(self, signums: tuple[int, ...], found: Mapping[int, Any] | None = None) -> bool:
         """Install the handlers (main thread only); returns False elsewhere (nothing installed).
 
-        Also after :meth:`uninstall` (the watch handles the signals again). Where the handler in
+        Also after :meth:`uninstall` (the watch handles the signals again), and again while
+        installed (idempotent where this watch's handler is the one in place). Where the handler in
         place is this watch's own (put back by a framework), the one found at the first install
-        stays the one chained.
+        stays the one chained. A signal whose disposition is ``SIG_IGN`` is left ignored.
+
+        Args:
+            signums: the signals to handle.
+            found: the handlers a framework found before it put its own in place for this run
+                (Lightning's signal connector); where given, the one found is chained (and decides
+                ``SIG_IGN``), not the framework's own, which would act on the signal itself.
         """
         if threading.current_thread() is not threading.main_thread():
             return False
         for signum in signums:
-            if signum in self._active:
-                continue
             current = signal.getsignal(signum)
+            if signum in self._active and self.owns(current):
+                continue
             if not self.owns(current):
-                self._previous[signum] = current
+                own = found.get(signum, current) if found is not None else current
+                if self.owns(own):
+                    own = self.previous(signum)
+                if own == signal.SIG_IGN:
+                    continue  # the process ignores it (nohup, `&`): it stays ignored
+                self._previous[signum] = own
             signal.signal(signum, self._handle)
             self._active.add(signum)
         return True
+
+    def record(self, signum: int) -> None:
+        """Record ``signum`` as if this watch's handler had received it (a framework's handler did)."""
+        self.received = signum
+        self._on_signal(signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum not in self._active:
@@ -102,19 +128,6 @@ class SignalWatch:
     def owns(self, handler: Any) -> bool:
         """True when ``handler`` is this watch's own (as :func:`signal.getsignal` returns it)."""
         return bool(handler == self._handle)
-
-    def reinstall(self, signum: int) -> bool:
-        """Put this watch's handler back for ``signum``, over one a framework installed after ours.
-
-        For a framework whose own handler calls ours but also acts on the signal in a way that
-        defeats the checkpoint (Lightning's SIGTERM stop). The handler found at :meth:`install`
-        stays chained. Main thread only; returns False (nothing done) elsewhere or for a signal
-        this watch does not handle now.
-        """
-        if threading.current_thread() is not threading.main_thread() or signum not in self._active:
-            return False
-        signal.signal(signum, self._handle)
-        return True
 
     def uninstall(self) -> None:
         """Put back the handlers found at :meth:`install` wherever ours is the one installed.

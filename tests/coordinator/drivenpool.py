@@ -26,6 +26,9 @@ class DrivenCycles:
     def cycle(self, now: float) -> tuple[list[st.Decision], ApplyReport]:
         """One cycle at ``now``: the scheduler's decisions and what the applier wrote (nothing lost)."""
         state = self.state(now)
+        # Nothing here writes allocations but the leader: each must read back as its job's own
+        # (an orphan would be a writer whose allocations disagree with the status, e.g. its granted_at).
+        assert not [o for o in state.orphans if o.allocation is not None], state.orphans
         decisions = self.scheduler.schedule(state.snapshot)
         report = self.applier.apply(decisions, state)
         assert report.lost == 0

@@ -42,6 +42,12 @@ LEASE = 0xAB
 
 def _state(status: JobStatus | None = None, held: int = 0, directive: Directive | None = None,
            ack: Ack | None = None) -> PoolState:
+    kvs = _kvs(status, held, directive, ack)
+    return build_state(kvs, KS, NOW, revision=len(kvs), term=5)
+
+
+def _kvs(status: JobStatus | None = None, held: int = 0, directive: Directive | None = None,
+         ack: Ack | None = None, memory: int = 10 * GiB) -> list[KeyValue]:
     kvs: list[KeyValue] = []
     rev = [0]
 
@@ -56,12 +62,51 @@ def _state(status: JobStatus | None = None, held: int = 0, directive: Directive 
     if status is not None:
         put(KS.job_status("j"), status, LEASE)
     for i, uuid in enumerate((UUID0, UUID1)[:held]):
-        put(KS.allocation("node-a", uuid, "j"), Allocation("j", "node-a", uuid, i, 10 * GiB, 1.0, QoS.GUARANTEED, 1, 900.0), LEASE)
+        put(KS.allocation("node-a", uuid, "j"), Allocation("j", "node-a", uuid, i, memory, 1.0, QoS.GUARANTEED, 1, 900.0), LEASE)
     if directive is not None:
         put(KS.directive("j"), directive, LEASE)
     if ack is not None:
         put(KS.ack("j"), ack, LEASE)
-    return build_state(kvs, KS, NOW, revision=rev[0], term=5)
+    return kvs
+
+
+def _written(kvs: list[KeyValue], p: Any) -> PoolState:
+    """The pool read back after ``p``'s writes (what the next cycle's snapshot sees)."""
+    by_key = {kv.key: kv for kv in kvs}
+    rev = max(kv.mod_revision for kv in kvs) + 1
+    for o in p.ops:
+        if isinstance(o, DeleteOp):
+            by_key.pop(o.key, None)
+        else:
+            old = by_key.get(o.key)
+            by_key[o.key] = KeyValue(o.key, o.value, old.create_revision if old else rev, rev, 1, o.lease or 0)
+    return build_state(list(by_key.values()), KS, NOW + 1, revision=rev, term=5)
+
+
+BALLOON = Directive(DirectiveKind.BALLOON, 3, 2000.0, {"memory_bytes": 4 * GiB})
+BOTH = (st.SliceGrant("node-a", UUID0, 0, 10 * GiB, 1.0), st.SliceGrant("node-a", UUID1, 1, 10 * GiB, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("case", "kvs", "decision", "held"),
+    [
+        ("grant", _kvs(JobStatus(JobState.PENDING, "queued: full", 800.0, 800.0, term=4)), st.Grant("j", BOTH), 2),
+        ("re-grant (migration)", _kvs(JobStatus(JobState.GRANTED, "granted", 900.0, 800.0, 900.0, term=4, gpus=1), held=1),
+         st.Grant("j", (st.SliceGrant("node-a", UUID1, 1, 10 * GiB, 1.0),)), 1),
+        ("deflate", _kvs(JobStatus(JobState.GRANTED, "granted", 900.0, 800.0, 900.0, term=4, gpus=2), held=2,
+                         memory=4 * GiB), st.Deflate("j", "pressure over"), 2),
+        ("shrink", _kvs(JobStatus(JobState.GRANTED, "granted", 900.0, 800.0, 900.0, term=4, gpus=2), held=2,
+                        directive=BALLOON, ack=Ack(seq=3)), st.Shrink("j", 4 * GiB, "balloon acked"), 2),
+    ],
+)
+def test_the_leaders_allocation_writes_read_back_as_the_jobs_own(case: str, kvs: list[KeyValue], decision: Any,
+                                                                  held: int) -> None:
+    """Every allocation the leader writes carries its grant's ``granted_at`` (the status's): read back,
+    none is an orphan and every one is the job's (a hand-written one beside them is told apart by it)."""
+    before = build_state(kvs, KS, NOW, revision=len(kvs), term=5)
+    after = _written(kvs, plan(decision, before, KS, CFG))
+    assert after.orphans == (), after.orphans
+    assert len(after.snapshot.jobs["j"].allocations) == held, case
 
 
 def _puts(p: Any) -> dict[str, PutOp]:

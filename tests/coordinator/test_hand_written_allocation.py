@@ -62,3 +62,55 @@ def test_a_hand_written_allocation_for_a_job_without_a_grant_is_an_orphan(
         coord.stop()
         t.join(20)
         assert not t.is_alive()
+
+
+def test_a_hand_written_allocation_after_the_grant_is_an_orphan_and_the_job_keeps_running(
+    store: EtcdStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same key written by hand on the job's lease *after* its grant, while it is GRANTED: the status
+    alone cannot tell it from the grant's own, and it joined the job's slices (a GPU no agent publishes:
+    the job was preempted as "agent gone"). Every allocation of a grant carries the grant's
+    ``granted_at``, as the status does; this one does not, so it is an orphan: named as a problem,
+    counted as used, deleted after the grace, and the job keeps its grant throughout."""
+    caplog.set_level(logging.WARNING)
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    publish_gpus(store, [gpu])
+    reports: list[CycleReport] = []
+    coord = Coordinator(store, SchedulerConfig(), TIMING, "hand-alloc-after", loop_wait_s=0.2, orphan_grace_s=1.0,
+                        on_cycle=reports.append)  # fmt: skip
+    lease = store.grant_lease(60)
+    store.create(store.keys.job_spec("j"), JobSpec(name="j", gpus=1, memory="8GiB", owner="alice"), lease=lease)
+    t = threading.Thread(target=coord.run, daemon=True)
+    t.start()
+    try:
+        def status() -> JobStatus | None:
+            got = store.get_record(store.keys.job_status("j"), JobStatus)
+            return got[0] if got is not None else None
+
+        grant = wait_for(lambda: (s := status()) is not None and s.state is JobState.GRANTED and s, 30,
+                         "job j to be granted")  # fmt: skip
+        assert isinstance(grant, JobStatus) and grant.granted_at is not None
+        ghost = store.keys.allocation("node-z", "GPU-ghost-0", "j")
+        store.put(ghost, Allocation("j", "node-z", "GPU-ghost-0", 0, 8 * GiB, 0.5, QoS.GUARANTEED, grant.term,
+                                    grant.granted_at + 1.0), lease=lease)  # fmt: skip
+        seen = len(reports)
+        wait_for(lambda: store.get(ghost) is None, 30, "the leader to delete the hand-written allocation")
+        after = reports[seen:]
+        # Seen as an orphan (counted as used), never as one of the job's slices.
+        assert any(any(o.gpu_uuid == "GPU-ghost-0" for o in r.snapshot.orphans) for r in after if r.snapshot)
+        for r in after:
+            if r.snapshot is not None and "j" in r.snapshot.jobs:
+                assert [a.gpu_uuid for a in r.snapshot.jobs["j"].allocations] == [gpu.uuid], r.snapshot.jobs["j"]
+            assert not [d for d in r.decided if d.job == "j"], r.decided  # never preempted, revoked or re-granted
+        now = status()
+        assert now is not None and now.state is JobState.GRANTED and now.granted_at == grant.granted_at, now
+        assert store.get(store.keys.directive("j")) is None
+        kvs, _ = store.get_prefix(store.keys.allocations_prefix())
+        assert [(a.job, a.gpu_uuid) for a in (decode(kv.key, kv.value, Allocation) for kv in kvs)] == [("j", gpu.uuid)]
+        assert any(ghost in r.getMessage() and "not written by its grant" in r.getMessage() for r in caplog.records), [
+            r.getMessage() for r in caplog.records
+        ]
+    finally:
+        coord.stop()
+        t.join(20)
+        assert not t.is_alive()

@@ -147,9 +147,6 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
         #: The checkpoint being written is taken inside a validation loop of ``fit``.
         self._rewind_validation = False
         self._trainer: Any = None
-        #: The watch was uninstalled by this callback at the end of a run (not by the runtime):
-        #: the next stage's ``setup`` installs it again.
-        self._rearm_signals = False
 
     # -- what the Trainer needs ------------------------------------------------------------
     @property
@@ -181,29 +178,30 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
         self.runtime.close()
 
     # -- hooks -----------------------------------------------------------------------------
-    def _take_sigterm_from_lightning(self, trainer: Any) -> None:
-        """While this callback handles SIGTERM, Lightning's own SIGTERM stop is turned off.
+    def _arm_signals(self, trainer: Any) -> None:
+        """A loop starts (sanity check, training, or a ``validate``/``test``/``predict`` run): the
+        preemption signals are handled from here on, at its batch boundaries.
 
-        At ``fit`` Lightning installs a SIGTERM handler that calls ours but also sets
-        ``trainer.received_sigterm``; its loops then raise ``SIGTERMException`` at the end of the
-        step, at the end of the epoch or inside validation: a ``SystemExit`` with code 0 and no
-        checkpoint. A SIGTERM that landed after this callback's step check, or at an epoch's last
-        batch (where the checkpoint waits for the next training step), made the script exit 0
-        without a checkpoint, and ``gpupool run`` then reported a finished job. Here our handler is
-        put back alone (the one found before ours stays chained) and a flag Lightning set before
-        this point is cleared: the checkpoint and exit 75 at the next step boundary decide alone.
-        Called from the first hooks after Lightning registered its handlers (sanity check, train
-        start); idempotent.
+        Not earlier: before a loop no boundary comes (DDP's rendezvous, model wrapping and
+        checkpoint restore can block in a collective for good when a peer died), so a signal keeps
+        the process's own disposition there (by default SIGTERM ends the process at once, with
+        nothing to save). Lightning has put its SIGTERM handler in place by now (at ``fit``, before
+        the loops): it would set ``trainer.received_sigterm``, and its loops then raise
+        ``SIGTERMException`` at the end of the step, the epoch or inside validation, a ``SystemExit``
+        with code 0 and no checkpoint (``gpupool run`` then reported a finished job). So the handler
+        chained is the one Lightning found (its connector's saved handlers), not Lightning's, and a
+        SIGTERM Lightning recorded before this point is handed to the watch: the checkpoint and
+        exit 75 at the next boundary decide alone. Idempotent; nothing once the lease is given back.
         """
-        watch = self.runtime.signals
-        current = signal.getsignal(signal.SIGTERM)
-        chained = getattr(current, "signal_handlers", None)  # Lightning's _HandlersCompose
-        if watch.owns(current) or not chained or not any(watch.owns(h) for h in chained):
-            return  # ours alone already, or SIGTERM is not one of our preempt signals
-        watch.reinstall(signal.SIGTERM)
         connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None and getattr(connector, "received_sigterm", False):
-            connector.received_sigterm = False  # ours recorded it too: it is acted on at the next boundary
+        found = getattr(connector, "_original_handlers", None)
+        if not self.runtime.arm_signals(found if isinstance(found, dict) and found else None):
+            return
+        watch = self.runtime.signals
+        if connector is not None and getattr(connector, "received_sigterm", False) \
+                and watch.owns(signal.getsignal(signal.SIGTERM)):
+            connector.received_sigterm = False
+            watch.record(signal.SIGTERM)  # arrived between Lightning's registration and this loop
 
     def _hand_back_signals(self, trainer: Any) -> None:
         """The Trainer's run ends: the process's own signal handlers go back in place.
@@ -216,10 +214,9 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
         handler are replaced by those handlers: whichever runs last, the process's own handler is
         the one in place. Called from ``on_exception`` (before Lightning's restore) and from
         ``teardown`` (after it). A later stage of a Trainer with this callback (``trainer.test``)
-        installs the watch again at ``setup`` while the runtime holds its lease.
+        installs the watch again when its loop starts while the runtime holds its lease.
         """
         watch = self.runtime.signals
-        self._rearm_signals = self._rearm_signals or watch.active  # the runtime has not closed it
         saved = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
         if isinstance(saved, dict):
             for signum, handler in list(saved.items()):
@@ -227,16 +224,20 @@ class GpuPoolCallback(PoolAdapter, *CALLBACK_BASES):  # type: ignore[misc]
                     saved[signum] = watch.previous(signum)
         watch.uninstall()
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._rearm_signals:
-            self._rearm_signals = False
-            self.runtime.signals.install(self.options.signal_numbers)
-
     def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
-        self._take_sigterm_from_lightning(trainer)
+        self._arm_signals(trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._arm_signals(trainer)  # a `validate` run (inside `fit`: already armed)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._arm_signals(trainer)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._arm_signals(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._take_sigterm_from_lightning(trainer)
+        self._arm_signals(trainer)
         rt = self.runtime
         # The optimizers exist now: the balloon tier measures the footprint from here on.
         rt.start_training(getattr(trainer, "optimizers", []) or [])

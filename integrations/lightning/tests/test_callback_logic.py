@@ -539,3 +539,32 @@ def test_sigterm_where_lightning_would_stop_still_checkpoints_and_exits_75(when:
     step = 8 if when == "at_an_epochs_last_batch" else 4  # the first validation batch, or the next step acts
     assert trainer.global_step == step and pool.runtime.resume_from
     assert pool.runtime.resume_from.endswith(f"late-signal-step{step}.ckpt") and Path(pool.runtime.resume_from).exists()
+
+
+def test_a_sigterm_lightning_recorded_before_the_first_loop_checkpoints_and_exits_75(tmp_path: Path) -> None:
+    """The callback's handler is installed where the first loop starts (sanity check here), after Lightning
+    put its own SIGTERM handler in place at ``fit``. A SIGTERM in between reached Lightning's handler only,
+    whose ``SIGTERMException`` exits 0 unsaved: the callback takes it over when it arms (the signal is
+    recorded, Lightning's flag cleared), so the sanity check's first boundary checkpoints and exits 75."""
+    import os
+    import signal
+
+    class Early(pl.Callback):  # before the pool's callback in the list: its hook runs first
+        def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    lease = FakeLease("early")
+    pool = GpuPoolCallback(memory="1GiB", name="early", client=FakeClient(lease), checkpoint_dir=tmp_path)
+    assert signal.getsignal(signal.SIGTERM) == before  # nothing installed by the constructor
+    torch.manual_seed(7)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[Early(), pool], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            trainer.fit(WithValidation(seed=7, samples=64, batch_size=8, num_workers=0, step_sleep=0.0))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert exc.value.code == 75 and lease.released and not trainer.received_sigterm
+    assert pool.runtime.resume_from and pool.runtime.resume_from.endswith("early-signal-step0.ckpt")

@@ -114,6 +114,8 @@ class PoolSession(PoolAdapter):
         self.runtime = PoolRuntime(self.options, client=client, memory_tier=memory_tier)
         self._broadcast = broadcast
         self._entered = False
+        #: The preemption signals are handled from the first step on (PoolRuntime.arm_signals).
+        self._armed = False
 
     def __enter__(self) -> PoolSession:
         self.runtime.acquire()
@@ -157,6 +159,9 @@ class PoolSession(PoolAdapter):
         if not self._entered:
             raise RuntimeError("use PoolSession as a context manager: `with PoolSession(...) as pool:`")
         rt = self.runtime
+        if not self._armed:
+            self._armed = True
+            rt.arm_signals()
         if rt.lease_lost():
             from gpupool_sdk.runtime.decision import Decision
 
@@ -184,6 +189,9 @@ class PoolSession(PoolAdapter):
             PoolLeaseLostError: the lease was lost; training must not continue.
         """
         rt = self.runtime
+        if not self._armed:  # a loop that does not call step_begin
+            self._armed = True
+            rt.arm_signals()
         rt.timer.step_end()
         if rt.publisher.phase_probe.armed:
             rt.publisher.phase_probe.step_end()
