@@ -39,6 +39,7 @@ from gpupool_sdk.errors import (
     SchemaError,
 )
 from gpupool_sdk.resources import Allocation, Directive, GangMember, JobSpec, JobState, JobStatus, NodeInfo
+from gpupool_sdk.resources.grant import of_grant
 from gpupool_sdk.store.codec import decode
 from gpupool_sdk.store.lease import LeaseKeeper
 from gpupool_sdk.store.types import KeyValue, WatchEvent
@@ -240,8 +241,7 @@ class MemberSession:
     def _gang_allocations(self) -> tuple[Allocation, ...]:
         if not self.spec_lease:
             return ()
-        found = [a for a, lease in self.allocations.values() if lease == self.spec_lease]
-        return tuple(sorted(found, key=lambda a: (a.node, a.gpu_index, a.gpu_uuid)))
+        return of_grant(self.status, (a for a, lease in self.allocations.values() if lease == self.spec_lease))
 
     def evaluate(self, spec_vanished: bool = False) -> None:
         """Forward the job's state; answer the join once granted; lose the lease when the gang broke."""

@@ -57,6 +57,7 @@ from gpupool_sdk.errors import (
     StoreUnavailableError,
 )
 from gpupool_sdk.resources import Allocation, Directive, GpuInfo, JobSpec, JobState, JobStatus
+from gpupool_sdk.resources.grant import of_grant
 from gpupool_sdk.store.codec import decode, decode_dict, encode
 from gpupool_sdk.store.etcd_store import EtcdStore
 from gpupool_sdk.store.keyspace import Keyspace
@@ -159,7 +160,7 @@ class _Session:
         if st is None or st.state is not JobState.GRANTED:
             return False
         need = max(st.gpus, 1)
-        return sum(1 for a in self.allocations.values() if a.term == st.term) >= need
+        return sum(1 for a in of_grant(st, self.allocations.values()) if a.term == st.term) >= need
 
 
 class Helper:
@@ -605,7 +606,7 @@ class Helper:
         with self._lock:
             if s.ended:
                 return
-            allocs = tuple(sorted(s.allocations.values(), key=lambda a: (a.node, a.gpu_index, a.gpu_uuid)))
+            allocs = of_grant(s.status, s.allocations.values())
             self.send({"op": "state", "job": s.job, "lease_id": s.lease_id, "status": s.status, "allocations": allocs})
             if s.spec.is_gang and s.ever_granted and s.status is not None and s.status.state is JobState.PENDING:
                 # Another node of the gang left: the leader released every node (no half-gang trains).

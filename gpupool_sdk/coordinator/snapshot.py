@@ -488,10 +488,7 @@ def build_state(
             if held_by is None or held_by[0].state not in HOLDING_STATES:
                 state = "no status" if held_by is None else f"status {held_by[0].state.value}"
                 why = f"job {a.job!r} holds no grant ({state}): not written by the leader"
-            elif held_by[0].granted_at is not None and a.granted_at != held_by[0].granted_at:
-                # Every allocation of a grant carries the grant's time, as its status does (a grant,
-                # a re-grant and a migration rewrite them all; a balloon, a deflate and a shrink keep
-                # it): one that differs was written beside the grant, not by it.
+            elif not held_by[0].wrote(a.granted_at):
                 why = (f"granted_at {a.granted_at!r} is not that of job {a.job!r}'s grant "
                        f"({held_by[0].granted_at!r}): not written by its grant")
         if why is None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool_sdk.errors import SpecError
 from gpupool_sdk.resources._fields import opt, req
-from gpupool_sdk.resources.job import QoS
+from gpupool_sdk.resources.job import JobStatus, QoS
 
 
 @dataclass(frozen=True)
@@ -207,3 +207,19 @@ class LeaderRecord:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "leader") -> LeaderRecord:
         return cls(id=req(d, "id", str, where), term=req(d, "term", int, where), since=opt(d, "since", float, where, 0.0))
+
+
+def of_grant(status: JobStatus | None, allocations: Iterable[Allocation]) -> tuple[Allocation, ...]:
+    """The allocations ``status``'s grant wrote (all of them without a status), in device order
+    (node, GPU index, uuid): one written beside the grant on the job's lease, by hand, is not a
+    device of the job; the leader counts it as an orphan too (:meth:`JobStatus.wrote`).
+
+    Example:
+        >>> from gpupool_sdk.resources import JobState
+        >>> mine = Allocation("j", "n", "GPU-1", 1, 1 << 30, 1.0, QoS.GUARANTEED, granted_at=5.0)
+        >>> other = Allocation("j", "n", "GPU-0", 0, 1 << 30, 1.0, QoS.GUARANTEED, granted_at=7.0)
+        >>> [a.gpu_uuid for a in of_grant(JobStatus(JobState.GRANTED, granted_at=5.0), [other, mine])]
+        ['GPU-1']
+    """
+    kept = [a for a in allocations if status is None or status.wrote(a.granted_at)]
+    return tuple(sorted(kept, key=lambda a: (a.node, a.gpu_index, a.gpu_uuid)))

@@ -372,6 +372,17 @@ class JobStatus:
     resize_refusals: int = 0
     resize_retry_at: float | None = None
 
+    def wrote(self, granted_at: float | None) -> bool:
+        """Whether an allocation carrying ``granted_at`` was written by this status's grant.
+
+        Every allocation of a grant carries the grant's time, as its status does (a grant, a
+        re-grant and a migration rewrite them all; a balloon, a deflate and a shrink keep it), so
+        one whose time differs was written beside the grant (by hand, or left by a bug), and
+        neither the leader (an orphan) nor the job (not a device of its) counts it. A status
+        without a grant time (a coordinator older than the field) vouches for every allocation.
+        """
+        return self.granted_at is None or granted_at == self.granted_at
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "state": self.state.value,

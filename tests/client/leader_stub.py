@@ -57,10 +57,12 @@ class LeaderStub:
                 raise AssertionError(f"spec of {job} never appeared")
             time.sleep(0.02)
 
-    def _status(self, state: JobState, reason: str = "", gpus: int = 0) -> JobStatus:
+    def _status(self, state: JobState, reason: str = "", gpus: int = 0, granted_at: float | None = None) -> JobStatus:
         now = time.time()
+        if state is JobState.GRANTED and granted_at is None:
+            granted_at = now
         return JobStatus(state=state, reason=reason, updated_at=now, queued_at=now, term=self.term, gpus=gpus,
-                         granted_at=now if state is JobState.GRANTED else None)
+                         granted_at=granted_at)
 
     def pending(self, job: str, reason: str = "queued: no free GPU") -> bool:
         spec, kv = self.wait_spec(job)
@@ -72,16 +74,18 @@ class LeaderStub:
     def grant(self, job: str, gpus: Sequence[tuple[str, str, int]] = (("node-a", "GPU-0", 0),)) -> bool:
         """Grant ``gpus`` as (node, gpu uuid, index) in one fenced transaction, on the job's lease."""
         spec, kv = self.wait_spec(job)
+        at = time.time()  # the grant's time, on its status and on each of its allocations (as the leader writes them)
         ops: list[Put | Delete] = [
             Put(
                 self.keys.allocation(node, uuid, job),
                 Allocation(job=job, node=node, gpu_uuid=uuid, gpu_index=idx, memory_bytes=spec.memory_bytes,
-                           compute_share=spec.compute_share, mode=spec.qos_class, term=self.term, granted_at=time.time()),
+                           compute_share=spec.compute_share, mode=spec.qos_class, term=self.term, granted_at=at),
                 lease=kv.lease,
             )
             for node, uuid, idx in gpus
         ]
-        ops.append(Put(self.keys.job_status(job), self._status(JobState.GRANTED, "granted", gpus=len(gpus)), lease=kv.lease))
+        ops.append(Put(self.keys.job_status(job), self._status(JobState.GRANTED, "granted", gpus=len(gpus), granted_at=at),
+                       lease=kv.lease))
         return self.store.txn([*self._fence(), Compare(kv.key, "create", "==", kv.create_revision)], ops)
 
     def reject(self, job: str, reason: str) -> bool:

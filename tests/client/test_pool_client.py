@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -17,7 +18,16 @@ from gpupool_sdk.errors import (
     JobRejectedError,
     LeaseLostError,
 )
-from gpupool_sdk.resources import Checkpoint, Directive, DirectiveKind, JobSpec, JobState, JobStatus
+from gpupool_sdk.resources import (
+    Allocation,
+    Checkpoint,
+    Directive,
+    DirectiveKind,
+    JobSpec,
+    JobState,
+    JobStatus,
+    QoS,
+)
 from gpupool_sdk.store import EtcdStore, ResumeRecord, TelemetryRecord
 
 from .leader_stub import LeaderStub
@@ -71,6 +81,33 @@ def test_acquire_waits_for_grant_and_sees_allocations(pool: PoolClient, leader: 
     lease.release()
     assert lease.allocations == () and store.lease_info(lease.etcd_lease_id) is None
     assert store.get(store.keys.job_spec("job-a")) is None
+
+
+def test_an_allocation_written_beside_the_grant_is_not_a_device_of_the_job(
+    pool: PoolClient, leader: LeaderStub, store: EtcdStore
+) -> None:
+    # Someone with write access puts an allocation for GPU-7 on the granted job's own lease
+    # (its grant holds GPU-0). The leader treats it as an orphan (granted_at differs from the
+    # status's); the job must not train on it either: not in allocations, not in its devices.
+    t, out = acquire_in_thread(pool, spec(), timeout=60)
+    assert leader.grant("job-a", [("node-a", "GPU-0", 0)])
+    t.join(30)
+    lease = out["lease"]
+    assert isinstance(lease, Lease), out
+    status = lease.status
+    assert status is not None and status.granted_at is not None
+    forged = Allocation(job="job-a", node="node-a", gpu_uuid="GPU-7", gpu_index=7, memory_bytes=1 << 30,
+                        compute_share=1.0, mode=QoS.GUARANTEED, term=status.term, granted_at=status.granted_at + 1)
+    store.put(store.keys.allocation("node-a", "GPU-7", "job-a"), forged, lease=lease.etcd_lease_id)
+    # Then the grant's own allocation changes (as a balloon rewrites it): an event of the same watch,
+    # so once the job sees it, it has seen the forged one too.
+    (own,) = lease.allocations
+    ballooned = replace(own, memory_bytes=1 << 29)
+    store.put(store.keys.allocation("node-a", "GPU-0", "job-a"), ballooned, lease=lease.etcd_lease_id)
+    wait_for(lambda: [a.memory_bytes for a in lease.allocations if a.gpu_uuid == "GPU-0"] == [1 << 29])
+    assert [a.gpu_uuid for a in lease.allocations] == ["GPU-0"]
+    assert lease.visible_devices == "0"
+    lease.release()
 
 
 def test_acquire_timeout_revokes_the_lease(pool: PoolClient, store: EtcdStore) -> None:
