@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from testkit import publish_gpus, wait_for
@@ -21,7 +23,7 @@ from testkit import publish_gpus, wait_for
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
 from gpupool_sdk.inventory.simulated import parse_cluster_spec
-from gpupool_sdk.resources import Allocation, GiB, JobSpec, JobState, JobStatus, QoS
+from gpupool_sdk.resources import Allocation, GiB, GpuInfo, JobSpec, JobState, JobStatus, QoS
 from gpupool_sdk.scheduler.types import SchedulerConfig
 from gpupool_sdk.store import EtcdStore
 from gpupool_sdk.store.codec import decode
@@ -29,23 +31,35 @@ from gpupool_sdk.store.codec import decode
 TIMING = LeaseTiming(ttl_s=3, keepalive_interval_s=0.5, retry_timeout_s=1.0)
 
 
+@contextmanager
+def _leader(store: EtcdStore, replica: str) -> Iterator[tuple[GpuInfo, list[CycleReport]]]:
+    """One published A100 and a coordinator loop (orphan grace 1 s) running in a thread, stopped after:
+    yields the GPU and the cycle reports as they come."""
+    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
+    publish_gpus(store, [gpu])
+    reports: list[CycleReport] = []
+    coord = Coordinator(store, SchedulerConfig(), TIMING, replica, loop_wait_s=0.2, orphan_grace_s=1.0,
+                        on_cycle=reports.append)  # fmt: skip
+    t = threading.Thread(target=coord.run, daemon=True)
+    t.start()
+    try:
+        yield gpu, reports
+    finally:
+        coord.stop()
+        t.join(20)
+        assert not t.is_alive()
+
+
 def test_a_hand_written_allocation_for_a_job_without_a_grant_is_an_orphan(
     store: EtcdStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
-    publish_gpus(store, [gpu])
-    reports: list[CycleReport] = []
-    coord = Coordinator(store, SchedulerConfig(), TIMING, "hand-alloc", loop_wait_s=0.2, orphan_grace_s=1.0,
-                        on_cycle=reports.append)  # fmt: skip
     lease = store.grant_lease(60)
     ghost = store.keys.allocation("node-z", "GPU-ghost-0", "j")
     store.put(ghost, Allocation("j", "node-z", "GPU-ghost-0", 0, 8 * GiB, 0.5, QoS.GUARANTEED, 1, time.time()),
               lease=lease)  # fmt: skip
     store.create(store.keys.job_spec("j"), JobSpec(name="j", gpus=1, memory="8GiB", owner="alice"), lease=lease)
-    t = threading.Thread(target=coord.run, daemon=True)
-    t.start()
-    try:
+    with _leader(store, "hand-alloc") as (gpu, _reports):
         def granted() -> JobStatus | None:
             got = store.get_record(store.keys.job_status("j"), JobStatus)
             return got[0] if got is not None and got[0].state is JobState.GRANTED else None
@@ -58,10 +72,6 @@ def test_a_hand_written_allocation_for_a_job_without_a_grant_is_an_orphan(
         assert any(ghost in r.getMessage() and "holds no grant" in r.getMessage() for r in caplog.records), [
             r.getMessage() for r in caplog.records
         ]
-    finally:
-        coord.stop()
-        t.join(20)
-        assert not t.is_alive()
 
 
 def test_a_hand_written_allocation_after_the_grant_is_an_orphan_and_the_job_keeps_running(
@@ -73,16 +83,9 @@ def test_a_hand_written_allocation_after_the_grant_is_an_orphan_and_the_job_keep
     ``granted_at``, as the status does; this one does not, so it is an orphan: named as a problem,
     counted as used, deleted after the grace, and the job keeps its grant throughout."""
     caplog.set_level(logging.WARNING)
-    (gpu,) = parse_cluster_spec("node-a:1xA100-40GB:pcie")
-    publish_gpus(store, [gpu])
-    reports: list[CycleReport] = []
-    coord = Coordinator(store, SchedulerConfig(), TIMING, "hand-alloc-after", loop_wait_s=0.2, orphan_grace_s=1.0,
-                        on_cycle=reports.append)  # fmt: skip
     lease = store.grant_lease(60)
     store.create(store.keys.job_spec("j"), JobSpec(name="j", gpus=1, memory="8GiB", owner="alice"), lease=lease)
-    t = threading.Thread(target=coord.run, daemon=True)
-    t.start()
-    try:
+    with _leader(store, "hand-alloc-after") as (gpu, reports):
         def status() -> JobStatus | None:
             got = store.get_record(store.keys.job_status("j"), JobStatus)
             return got[0] if got is not None else None
@@ -110,7 +113,3 @@ def test_a_hand_written_allocation_after_the_grant_is_an_orphan_and_the_job_keep
         assert any(ghost in r.getMessage() and "not written by its grant" in r.getMessage() for r in caplog.records), [
             r.getMessage() for r in caplog.records
         ]
-    finally:
-        coord.stop()
-        t.join(20)
-        assert not t.is_alive()
