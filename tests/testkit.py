@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -137,6 +138,22 @@ def build_fake_cudart(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, An
     lib.fake_set_limit.argtypes = [ctypes.c_longlong]
     lib.fake_in_use.restype = ctypes.c_longlong
     return str(out), lib
+
+
+@contextlib.contextmanager
+def loop_in_thread(loop: Any) -> Iterator[None]:
+    """Run ``loop.run()`` (a coordinator's, an agent's) in a daemon thread; ``stop()`` it and join on exit.
+
+    Fails the test when the loop does not end within 20 s of its ``stop()``.
+    """
+    t = threading.Thread(target=loop.run, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        loop.stop()
+        t.join(20)
+        assert not t.is_alive(), f"{loop!r} did not stop within 20 s"
 
 
 @contextlib.contextmanager

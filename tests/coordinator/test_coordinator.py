@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-from testkit import publish_gpus
+from testkit import loop_in_thread, publish_gpus
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
@@ -34,14 +33,8 @@ def running(store: EtcdStore) -> Iterator[tuple[Coordinator, list[CycleReport]]]
     reports: list[CycleReport] = []
     coord = Coordinator(store, SchedulerConfig(), TIMING, "inproc", loop_wait_s=0.5, usage_flush_s=0.3,
                         on_cycle=reports.append)
-    t = threading.Thread(target=coord.run, daemon=True)
-    t.start()
-    try:
+    with loop_in_thread(coord):
         yield coord, reports
-    finally:
-        coord.stop()
-        t.join(20)
-        assert not t.is_alive()
 
 
 def _status(store: EtcdStore, job: str) -> JobStatus | None:

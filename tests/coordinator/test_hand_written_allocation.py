@@ -12,13 +12,12 @@ a problem, deleted after the grace, and the job is granted a GPU the agent publi
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from testkit import publish_gpus, wait_for
+from testkit import loop_in_thread, publish_gpus, wait_for
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
@@ -40,14 +39,8 @@ def _leader(store: EtcdStore, replica: str) -> Iterator[tuple[GpuInfo, list[Cycl
     reports: list[CycleReport] = []
     coord = Coordinator(store, SchedulerConfig(), TIMING, replica, loop_wait_s=0.2, orphan_grace_s=1.0,
                         on_cycle=reports.append)  # fmt: skip
-    t = threading.Thread(target=coord.run, daemon=True)
-    t.start()
-    try:
+    with loop_in_thread(coord):
         yield gpu, reports
-    finally:
-        coord.stop()
-        t.join(20)
-        assert not t.is_alive()
 
 
 def test_a_hand_written_allocation_for_a_job_without_a_grant_is_an_orphan(
