@@ -275,5 +275,7 @@ def simulate(
         f"{stats['censored']} right-censored, {stats['durations_sampled']} durations drawn, "
         f"{stats['durations_from_application']} from the application table, {stats['elastic']} elastic"
     )
+    for note in report.notes():
+        console.print(f"note: {note}")
     if plot_path:
         console.print(f"plot written to {plot_path}")

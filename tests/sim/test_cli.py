@@ -248,3 +248,23 @@ def test_an_application_the_table_does_not_know_names_the_flag_that_sizes_it(tmp
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["policies"]["fifo"]["avg_jct_s"] == 4 * 3600.0
+
+
+def test_a_run_without_congestion_says_so(tmp_path: Path) -> None:
+    # Two 600 s jobs: on two GPUs nobody waits (every policy ties: a note says why and what to do);
+    # on one GPU the second waits 600 s of its 1,200 s under FIFO (no note).
+    two = tmp_path / "two.csv"
+    two.write_text(TWO_JOBS)
+
+    def run(cluster: str, *extra: str) -> Result:
+        return CliRunner().invoke(simulate, ["--trace", str(two), "--cluster", cluster, "--policy", "fifo", *extra])
+
+    idle = run("2xV100-32GB", "-o", "json")
+    assert idle.exit_code == 0, idle.output
+    (note,) = json.loads(idle.output)["notes"]
+    assert note.startswith("not congested") and "--time-scale" in note and "--cluster" in note
+    assert "note: not congested" in " ".join(run("2xV100-32GB").output.split())
+    busy = run("1xV100-32GB", "-o", "json")
+    assert busy.exit_code == 0, busy.output
+    assert json.loads(busy.output)["notes"] == []
+    assert "not congested" not in run("1xV100-32GB").output
