@@ -48,7 +48,8 @@ def test_loop_grants_charges_usage_and_resigns_on_stop(store: EtcdStore, running
     job_lease = store.grant_lease(10)
     store.create(store.keys.job_spec("a"), JobSpec(name="a", gpus=1, memory="8GiB"), lease=job_lease)
     _wait(lambda: (s := _status(store, "a")) is not None and s.state is JobState.GRANTED, "the grant")
-    assert any(r.applied.get("Grant") for r in reports)
+    # The cycle reports after it applied: the status may be read before its report is appended.
+    _wait(lambda: any(r.applied.get("Grant") for r in reports), "the grant's cycle report")
     assert all(r.term >= 1 for r in reports)
     time.sleep(1.2)  # hold the slice a little, so there is something to charge
     store.revoke_lease(job_lease)  # the job finishes
