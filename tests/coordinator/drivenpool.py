@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gpupool_sdk.coordinator.apply import Applier, ApplyReport
 from gpupool_sdk.coordinator.election import Election
 from gpupool_sdk.coordinator.snapshot import PoolState, build_state
+from gpupool_sdk.resources import GpuInfo
 from gpupool_sdk.scheduler import Scheduler
 from gpupool_sdk.scheduler import types as st
 from gpupool_sdk.store import EtcdStore
 
 
+@dataclass
 class DrivenCycles:
-    """Mixin for a test's pool dataclass holding ``store``, ``election``, ``applier`` and ``scheduler``."""
+    """Base of a test's pool dataclass: the store, the leader's election, applier and scheduler, and
+    the GPUs published (subclasses add their own fields after these)."""
 
     store: EtcdStore
     election: Election
     applier: Applier
     scheduler: Scheduler
+    gpus: list[GpuInfo]
 
     def state(self, now: float) -> PoolState:
         """The pool as the leader would read it at ``now``."""

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from testkit import publish_gpus, wait_for
+from testkit import loop_in_thread, publish_gpus, wait_for
 
 from gpupool_sdk.config import LeaseTiming
 from gpupool_sdk.coordinator import Coordinator, CycleReport
@@ -135,9 +134,7 @@ def test_readings_churn_runs_no_scheduler_and_a_health_change_does(store: EtcdSt
     sched = CountingScheduler(replace(DEFAULT_SCHEDULER, etcd_max_txn_ops=128))
     coord = Coordinator(store, DEFAULT_SCHEDULER, TIMING, "skip-test", loop_wait_s=0.5, scheduler=sched,
                         autoscale=None, on_cycle=reports.append)
-    thread = threading.Thread(target=coord.run, daemon=True)
-    thread.start()
-    try:
+    with loop_in_thread(coord):
         # Grant a, queue b, then a cycle that reads its own writes and is skipped from then on.
         wait_for(lambda: any(r.skipped for r in reports), what="a skipped cycle")
         runs, cycles = sched.runs, coord.stats.cycles
@@ -159,9 +156,6 @@ def test_readings_churn_runs_no_scheduler_and_a_health_change_does(store: EtcdSt
                         lease=gpu_kv.lease)
         woke = wait_for(lambda: [r for r in reports if r.revision >= hot], what="a cycle after the health change")
         assert not woke[0].skipped and sched.runs == runs + 1
-    finally:
-        coord.stop()
-        thread.join(30)
 
 
 def test_a_readings_write_never_wakes_the_loop(store: EtcdStore) -> None:
@@ -177,9 +171,7 @@ def test_a_readings_write_never_wakes_the_loop(store: EtcdStore) -> None:
         on_events(events)
 
     coord._on_events = spy  # type: ignore[method-assign]
-    thread = threading.Thread(target=coord.run, daemon=True)
-    thread.start()
-    try:
+    with loop_in_thread(coord):
         wait_for(lambda: coord._watcher is not None and coord._watcher.wait_ready(0.1), what="the watch")
         for util in (0.2, 0.4):
             last = store.put(_readings_key(store, gpu), GpuReadings(utilization=util), lease=lease)
@@ -189,9 +181,6 @@ def test_a_readings_write_never_wakes_the_loop(store: EtcdStore) -> None:
         rev = store.put(store.keys.gpu(gpu.node, gpu.uuid), replace(gpu, health=replace(gpu.health, power_w=99.0)),
                         lease=lease)
         wait_for(lambda: any(e.kv.mod_revision == rev for e in seen), what="the GPU event")
-    finally:
-        coord.stop()
-        thread.join(30)
 
 
 def test_a_gpu_record_of_an_older_agent_with_usage_readings_is_accepted(store: EtcdStore) -> None:

@@ -49,11 +49,6 @@ CFG = st.SchedulerConfig(aging_s_per_priority=0.0, migrate_for_fragmentation=Tru
 
 @dataclass
 class Pool(DrivenCycles):
-    store: EtcdStore
-    election: Election
-    applier: Applier
-    scheduler: Scheduler
-    gpus: list[GpuInfo]
     leases: dict[str, int]
 
 

@@ -48,11 +48,6 @@ CFG = st.SchedulerConfig(aging_s_per_priority=0.0, resize_retry_s=300.0)
 
 @dataclass
 class Pool(DrivenCycles):
-    store: EtcdStore
-    election: Election
-    applier: Applier
-    scheduler: Scheduler
-    gpus: list[GpuInfo]
     lease: int
 
 
